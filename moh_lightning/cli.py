@@ -1,0 +1,94 @@
+"""The ``moh`` command: LightningCLI for fit / validate / test / predict, plus the suite's own tools.
+
+``moh fit --config vit_s_75.yaml`` runs a shipped config from any folder: a ``--config`` value that is not a
+file resolves against the suite's ``cli_configs/``. Tools that are not Trainer loops (sampling, generation,
+evaluation, benchmarks) are plain typed functions listed in ``TOOLS`` and parsed by jsonargparse, so they
+take ``--help``, ``--config`` and command-line overrides the same way.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from jsonargparse import CLI
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+
+# name -> "module:function"; imported only when called so `moh fit` does not load every task.
+TOOLS: dict[str, str] = {}
+
+_CONFIG_FLAGS = ("--config", "-c")
+
+
+def config_dir() -> Path:
+    """The shipped ``cli_configs/``: installed with the package, or beside it in a source checkout."""
+    packaged = Path(__file__).resolve().parent / "cli_configs"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "cli_configs"
+
+
+def resolve_config(value: str) -> str:
+    """A path as given when it exists, else the shipped config of that name; a clear error otherwise."""
+    if Path(value).is_file():
+        return value
+    shipped = config_dir() / value
+    if not shipped.suffix:
+        shipped = shipped.with_suffix(".yaml")
+    if shipped.is_file():
+        return str(shipped)
+    names = ", ".join(sorted(p.name for p in config_dir().glob("*.yaml")))
+    raise SystemExit(f"moh: --config {value}: no such file here nor in the shipped configs ({names}).")
+
+
+def resolve_config_args(args: Sequence[str]) -> list[str]:
+    """Rewrites every ``--config NAME`` / ``--config=NAME`` to a path (see ``resolve_config``)."""
+    out, args = [], list(args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in _CONFIG_FLAGS and i + 1 < len(args):
+            out += [arg, resolve_config(args[i + 1])]
+            i += 2
+            continue
+        flag, sep, value = arg.partition("=")
+        if sep and flag in _CONFIG_FLAGS:
+            arg = f"{flag}={resolve_config(value)}"
+        out.append(arg)
+        i += 1
+    return out
+
+
+class MoHLightningCLI(LightningCLI):
+    """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config."""
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+
+
+def _tool(name: str) -> Callable:
+    module, _, function = TOOLS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python."""
+    args = resolve_config_args(sys.argv[1:] if args is None else args)
+    if args and args[0] in TOOLS:
+        CLI(_tool(args[0]), args=args[1:], as_positional=False)
+        return
+    MoHLightningCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()
