@@ -83,11 +83,14 @@ def _tool(name: str) -> Callable:
 
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python."""
-    args = resolve_config_args(sys.argv[1:] if args is None else args)
+    from_command_line = args is None
+    args = resolve_config_args(sys.argv[1:] if from_command_line else args)
     if args and args[0] in TOOLS:
         CLI(_tool(args[0]), args=args[1:], as_positional=False)
         return
-    MoHLightningCLI(args=args)
+    if from_command_line:  # LightningCLI warns when given args while sys.argv has its own.
+        sys.argv[1:] = args
+    MoHLightningCLI(args=None if from_command_line else args)
 
 
 if __name__ == "__main__":
