@@ -402,7 +402,8 @@ def layerwise(num_shared_heads: Sequence[int], top_k: Sequence[int], **kwargs) -
                 raise ValueError(f"{len(budgets)} per-layer head budgets given but layer {index} was built: "
                                  f"give one entry per layer in num_shared_heads and top_k.")
             shared, k = budgets[index]
-            check_head_budget(num_heads, shared, k, where=f"layer {index}")
+            if not kwargs.get("dense", False):
+                check_head_budget(num_heads, shared, k, where=f"layer {index}")
             counter["built"] += 1
             super().__init__(dim, num_heads, **{**kwargs, **layer_kwargs, "num_shared_heads": shared, "top_k": k})
 

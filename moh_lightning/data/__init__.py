@@ -1,0 +1,1 @@
+"""LightningDataModules for the tasks."""

