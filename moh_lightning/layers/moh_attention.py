@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
+
 RouterType = Literal["learned", "query_norm"]
 ExecutionMode = Literal["auto", "dense", "sparse"]
 
@@ -326,18 +328,33 @@ class MoHAttention(nn.Module):
             offset = kv_cache.length
             k, v = kv_cache.update(k, v)
 
-        mask = _attention_mask(attn_mask, padding_mask, self.causal or is_causal, length, k.shape[2], offset,
-                               x.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.attn_drop.p if self.training else 0.0,
-            is_causal=(self.causal or is_causal) and mask is None and offset == 0,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )                                                                              # (B, h, N, d)
-        out = out.transpose(1, 2)                                                      # (B, N, h, d)
-        if gates is not None:
-            out = out * gates[..., None].to(out.dtype)
+        causal = self.causal or is_causal
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if gates is not None and self._head_sparse(gates, length, k.shape[2], kv_cache is not None):
+            out = head_sparse_attention(q, k, v, gates.to(q.dtype), self.router.num_shared_heads, causal=causal,
+                                        offset=offset, key_padding_mask=padding_mask, attn_mask=attn_mask,
+                                        dropout_p=dropout_p)                           # (B, N, h, d)
+        else:
+            mask = _attention_mask(attn_mask, padding_mask, causal, length, k.shape[2], offset, x.device)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None and offset == 0,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )                                                                          # (B, h, N, d)
+            out = out.transpose(1, 2)                                                  # (B, N, h, d)
+            if gates is not None:
+                out = out * gates[..., None].to(out.dtype)
         out = self.norm(out.reshape(batch, length, self.attn_dim))
         return self.proj_drop(self.proj(out))
+
+    def _head_sparse(self, gates: torch.Tensor, num_queries: int, num_keys: int, decoding: bool) -> bool:
+        """Whether this forward computes only the selected (token, head) pairs (``execution``, else the shapes)."""
+        # The straight-through router passes a gradient to unselected heads' gates, which needs their outputs.
+        if isinstance(self.router, QueryNormRouter) and gates.requires_grad:
+            if self.execution == "sparse":
+                raise ValueError("execution='sparse' cannot train the query_norm router: its straight-through "
+                                 "gradient needs every head's output. Use execution='auto' or 'dense'.")
+            return False
+        return use_head_sparse(self.execution, num_queries, num_keys, self.active_heads / self.num_heads, decoding)
 
 
 def _attention_mask(attn_mask: torch.Tensor | None, padding_mask: torch.Tensor | None, causal: bool,

@@ -1,0 +1,223 @@
+"""Attention computed only for the (token, head) pairs a MoH router selected.
+
+The dense MoH formulation runs every head on every token and multiplies the unselected outputs by a zero
+gate, so it costs a full multi-head layer. Here the shared heads (always on) go through SDPA unchanged, and
+each routed head gathers its selected queries, attends with them against its full keys and values, and
+scatters the gated outputs back. The gathered queries are padded to the largest count over (batch, head) so
+one SDPA call serves every routed head: on CPU this is ~4x faster than a call per head, and nested (jagged)
+tensors and flex_attention measured slower than dense (see ``results/bench_attention.md``).
+
+Causal attention cannot use SDPA's ``is_causal`` on gathered queries (a query's slot is not its position),
+so the slots are cut into chunks, each attending only to the keys up to its last query's position with a
+float mask built from the positions; the chunks' masks are recomputed in backward instead of being kept.
+A single decoding token (KV cache) reads only the cache rows of its selected heads, one SDPA call per
+selected (sequence, head) pair on views of the cache: gathering those rows first would copy more memory than
+dense attention reads.
+
+Pairs whose gate is zero are skipped; their gate receives no gradient. That matches the dense formulation
+exactly whenever the gate's own derivative is zero there, as for the learned router (its unselected gates
+are products with a zero top-k indicator), but not for a straight-through router.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# Below these sizes gathering costs more than the skipped heads save (measured on CPU by `moh bench`).
+MIN_SPARSE_QUERIES = 512
+MIN_SPARSE_DECODE_KEYS = 256
+# Rows of gathered queries per causal chunk: smaller chunks waste less of each chunk's diagonal block,
+# larger ones make fewer SDPA calls.
+CAUSAL_CHUNK = 64
+
+_aten = torch.ops.aten
+_SDPA_KERNELS = tuple(getattr(_aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+) if hasattr(_aten, name))
+
+
+def use_head_sparse(execution: str, num_queries: int, num_keys: int, active_fraction: float,
+                    decoding: bool) -> bool:
+    """Whether to run the head-sparse path: forced by ``execution``, else chosen from the shapes."""
+    if execution != "auto":
+        return execution == "sparse"
+    if active_fraction >= 1.0:
+        return False
+    if decoding and num_queries == 1:
+        return num_keys >= MIN_SPARSE_DECODE_KEYS
+    return num_queries >= MIN_SPARSE_QUERIES
+
+
+def head_sparse_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gates: torch.Tensor,
+        num_shared_heads: int,
+        *,
+        causal: bool = False,
+        offset: int = 0,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Gated head outputs (B, N, h, d) = ``sdpa(q, k, v) * gates``, computed only where a gate is nonzero.
+
+    ``q`` (B, h, N, d), ``k, v`` (B, h_kv, M, d) with h a multiple of h_kv (grouped-query attention), ``gates``
+    (B, N, h) with heads ``0..num_shared_heads-1`` always on. Query i sits at position ``offset + i`` for
+    ``causal`` masking (keys from a KV cache come first). ``key_padding_mask`` (B, >= M) is True for real keys;
+    ``attn_mask`` is SDPA's mask, broadcastable to (B, h, N, M).
+    """
+    batch, num_heads, length, head_dim = q.shape
+    kv_group = num_heads // k.shape[1]
+    key_bias = None
+    if key_padding_mask is not None:
+        key_bias = _bias(key_padding_mask[:, None, None, :k.shape[2]].bool(), q.dtype)   # (B, 1, 1, M)
+    head_mask = None
+    if attn_mask is not None:
+        head_mask = attn_mask if attn_mask.dtype != torch.bool else _bias(attn_mask, q.dtype)
+        head_mask = head_mask.expand(batch, num_heads, length, k.shape[2])
+    args = (causal, offset, key_bias, dropout_p)
+    parts = []
+    if num_shared_heads:
+        heads = slice(0, num_shared_heads)
+        out = _attend_all(q[:, heads], *_kv_heads(k, v, heads, kv_group),
+                          None if head_mask is None else head_mask[:, heads], *args)      # (B, h_s, N, d)
+        parts.append(out.transpose(1, 2) * gates[..., heads, None])
+    if num_shared_heads < num_heads:
+        heads = slice(num_shared_heads, num_heads)
+        routed = gates[..., heads]
+        mask = None if head_mask is None else head_mask[:, heads]
+        if length == 1 and mask is None and dropout_p == 0.0:
+            parts.append(_decode_routed(q, k, v, routed, num_shared_heads, kv_group, key_bias))
+        else:
+            parts.append(_attend_routed(q[:, heads], *_kv_heads(k, v, heads, kv_group), routed, mask, *args))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask: SDPA converts a boolean mask on every call, which costs as much as building it."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _kv_heads(k: torch.Tensor, v: torch.Tensor, heads: slice, kv_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kv heads serving query ``heads``, for SDPA's ``enable_gqa``: a view when the groups align."""
+    if heads.start % kv_group == 0 and heads.stop % kv_group == 0:
+        kv_heads = slice(heads.start // kv_group, heads.stop // kv_group)
+        return k[:, kv_heads], v[:, kv_heads]
+    index = torch.arange(heads.start, heads.stop, device=k.device) // kv_group
+    return k.index_select(1, index), v.index_select(1, index)
+
+
+def _attend_all(q, k, v, head_mask, causal, offset, key_bias, dropout_p) -> torch.Tensor:
+    """Every query of the given heads (the shared heads): plain SDPA, with SDPA's own causal skipping when it can."""
+    length, num_keys = q.shape[2], k.shape[2]
+    if causal and key_bias is None and head_mask is None and offset == 0 and length == num_keys:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
+    mask = _combine(head_mask, key_bias)
+    if causal:
+        positions = torch.arange(length, device=q.device) + offset
+        mask = _combine(mask, _causal_bias(positions, num_keys, q.dtype))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=True)
+
+
+def _combine(mask: torch.Tensor | None, other: torch.Tensor | None) -> torch.Tensor | None:
+    if mask is None or other is None:
+        return other if mask is None else mask
+    return mask + other
+
+
+def _causal_bias(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """(..., L, num_keys) float mask letting the query at each position see the keys at or before it."""
+    keys = torch.arange(num_keys, device=positions.device)
+    return _bias(keys <= positions[..., None], dtype)
+
+
+def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_p) -> torch.Tensor:
+    """Routed heads on their selected queries only; returns the gated outputs (B, N, E, d)."""
+    batch, num_routed, length, head_dim = q.shape
+    selected = (gates != 0).transpose(1, 2)                                        # (B, E, N)
+    slot = selected.cumsum(-1) - 1                                                 # slot of each selected token
+    count = slot[..., -1] + 1                                                      # (B, E)
+    width = int(count.max())
+    # Queries sorted by position into slots 0..count-1; padding slots take the last position, which is
+    # never fully masked, and their outputs go to a dump row N that is cut off below.
+    tokens = torch.arange(length, device=q.device).expand_as(slot)
+    positions = torch.full((batch, num_routed, width + 1), length - 1, dtype=torch.long, device=q.device)
+    positions = positions.scatter(-1, torch.where(selected, slot, width), tokens)[..., :width]   # (B, E, L)
+    real = torch.arange(width, device=q.device) < count[..., None]                 # (B, E, L)
+
+    index = positions[..., None].expand(-1, -1, -1, head_dim)
+    q_sel = q.gather(2, index)                                                     # (B, E, L, d)
+    mask = None
+    if head_mask is not None:
+        mask = head_mask.gather(2, positions[..., None].expand(-1, -1, -1, head_mask.shape[-1]))
+    mask = _combine(mask, key_bias)
+    if causal:
+        out = _causal_chunks(q_sel, k, v, positions + offset, real, mask, dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q_sel, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=True)
+    out = out * gates.transpose(1, 2).gather(2, positions)[..., None]
+    target = torch.where(real, positions, length)[..., None].expand(-1, -1, -1, head_dim)
+    scattered = out.new_zeros(batch, num_routed, length + 1, head_dim).scatter(2, target, out)
+    return scattered[:, :, :length].transpose(1, 2)                               # (B, N, E, d)
+
+
+def _causal_chunks(q_sel, k, v, positions, real, mask, dropout_p) -> torch.Tensor:
+    """Causal SDPA of gathered queries by chunks of slots, each over the keys its latest query can see."""
+    width = q_sel.shape[2]
+    starts = list(range(0, width, CAUSAL_CHUNK))
+    last = torch.where(real, positions, 0)
+    ends = [min(s + CAUSAL_CHUNK, width) for s in starts]
+    key_ends = torch.stack([last[..., s:e].amax() for s, e in zip(starts, ends)]).add(1).tolist()
+    keep_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q_sel, k, v))
+    outs = []
+    for s, e, num_keys in zip(starts, ends, key_ends):
+        num_keys = min(num_keys, k.shape[2])
+        chunk_mask = None if mask is None else mask[..., s:e, :num_keys] if mask.shape[-2] > 1 \
+            else mask[..., :num_keys]
+        args = (q_sel[:, :, s:e], k[:, :, :num_keys], v[:, :, :num_keys], positions[..., s:e], chunk_mask,
+                dropout_p)
+        if keep_graph:
+            # The chunk's (B, E, rows, keys) mask would otherwise live until backward: recompute it there,
+            # keeping only SDPA's own outputs.
+            outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False,
+                                   context_fn=_recompute_all_but_sdpa))
+        else:
+            outs.append(_causal_chunk(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _causal_chunk(q, k, v, positions, mask, dropout_p) -> torch.Tensor:
+    bias = _combine(mask, _causal_bias(positions, k.shape[2], q.dtype))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, enable_gqa=True)
+
+
+def _save_sdpa_only(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SDPA_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_all_but_sdpa():
+    return create_selective_checkpoint_contexts(_save_sdpa_only)
+
+
+def _decode_routed(q, k, v, gates, num_shared_heads, kv_group, key_bias) -> torch.Tensor:
+    """One query per sequence: each selected (sequence, head) pair attends over views of its own cache rows."""
+    batch, _, _, head_dim = q.shape
+    num_routed = gates.shape[-1]
+    pairs = gates[:, 0].nonzero().tolist()                                          # [(b, e), ...]
+    outs = []
+    for b, e in pairs:
+        head = num_shared_heads + e
+        kv = (head // kv_group, head // kv_group + 1)
+        bias = None if key_bias is None else key_bias[b:b + 1]
+        outs.append(F.scaled_dot_product_attention(
+            q[b:b + 1, head:head + 1], k[b:b + 1, slice(*kv)], v[b:b + 1, slice(*kv)],
+            attn_mask=bias).reshape(head_dim))
+    out = q.new_zeros(batch, num_routed, head_dim)
+    if pairs:
+        b, e = torch.tensor(pairs, device=q.device).unbind(1)
+        out = out.index_put((b, e), torch.stack(outs) * gates[b, 0, e, None])
+    return out[:, None]                                                            # (B, 1, E, d)
