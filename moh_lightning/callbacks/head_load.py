@@ -37,14 +37,16 @@ class HeadLoadCallback(Callback):
     """Logs per-layer head load and mean gate per head, and the per-class load of the last layer.
 
     Args:
-        log_every_n_steps: Length of the logging window, in training batches.
+        log_every_n_steps: Length of the logging window, in training batches; the Trainer's
+            ``log_every_n_steps`` when None.
         low_load: A head used by fewer than this fraction of tokens counts as starved (default 1%).
         max_plot_classes: Classes drawn in the per-class figure (the first ones by id).
     """
 
-    def __init__(self, log_every_n_steps: int = 50, low_load: float = 0.01, max_plot_classes: int = 10) -> None:
+    def __init__(self, log_every_n_steps: int | None = None, low_load: float = 0.01,
+                 max_plot_classes: int = 10) -> None:
         super().__init__()
-        if log_every_n_steps < 1:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"HeadLoadCallback log_every_n_steps={log_every_n_steps} must be at least 1.")
         self.log_every_n_steps = log_every_n_steps
         self.low_load = low_load
@@ -62,6 +64,7 @@ class HeadLoadCallback(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._layers = moh_layers(pl_module)
+        self._window = self.log_every_n_steps or trainer.log_every_n_steps
 
     @staticmethod
     def _layer_counts(layer: MoHAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,7 +88,7 @@ class HeadLoadCallback(Callback):
                 self._gate_sum[i] += gate_sum
                 self._tokens[i] += tokens
         self._batches += 1
-        if self._batches >= self.log_every_n_steps:
+        if self._batches >= self._window:
             self._log_window(trainer, pl_module)
 
     def _log_window(self, trainer: Trainer, pl_module: LightningModule) -> None:

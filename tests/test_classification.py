@@ -1,0 +1,140 @@
+"""ViT classification end to end: the CLI, the shipped configs, the data modules and the head-load dashboards."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+import yaml
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from moh_lightning.cli import MoHLightningCLI, config_dir, main, resolve_config
+from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, load_mnist_5k
+from moh_lightning.layers import activated_head_fraction
+from moh_lightning.models.vit import ViTConfig, create_vit, vit_config
+
+VIT_CONFIGS = sorted(p.name for p in config_dir().glob("vit_*.yaml"))
+SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+         "--data.init_args.batch_size=32", "--trainer.log_every_n_steps=2"]
+
+
+def test_fit_end_to_end_on_embedded_mnist_logs_per_layer_head_load(run_dir):
+    main(["fit", "--config", "vit_tiny_mnist_75.yaml", *SMOKE])
+    version = run_dir / "runs" / "vit_tiny_mnist_75" / "version_0"
+    assert list((version / "checkpoints").glob("*.ckpt"))
+    assert list((version / "head_load").glob("epoch_000.png"))
+    events = EventAccumulator(str(version), size_guidance={"histograms": 0, "scalars": 0, "images": 0}).Reload()
+    histograms = events.Tags()["histograms"]
+    depth = 6
+    for layer in range(depth):
+        assert f"head_load/layer_{layer:02d}/load" in histograms
+        loads = events.Histograms(f"head_load/layer_{layer:02d}/load")[-1].histogram_value
+        # bucket per head; 2 shared heads carry every token, and the load sums to 2 shared + top-4 routed
+        assert len(loads.bucket) == 8
+        assert loads.bucket[0] == pytest.approx(1.0) and loads.bucket[1] == pytest.approx(1.0)
+        assert sum(loads.bucket) == pytest.approx(6.0)
+    scalars = events.Tags()["scalars"]
+    for name in ("load_entropy", "max_min_load_ratio", "heads_under_low_load"):
+        assert f"head_load/layer_05/{name}" in scalars
+    assert "train/load_balance_loss" in scalars and "val/acc1" in scalars
+    assert "head_load/per_class_last_layer" in events.Tags()["images"]
+
+
+def test_checkpoint_reloads_to_the_same_validation_accuracy(run_dir):
+    main(["fit", "--config", "vit_tiny_mnist_75.yaml", *SMOKE])
+    checkpoint = next((run_dir / "runs" / "vit_tiny_mnist_75" / "version_0" / "checkpoints").glob("last.ckpt"))
+    args = ["--config", resolve_config("vit_tiny_mnist_75.yaml"), "--trainer.limit_val_batches=2", "--trainer.logger=false"]
+    first = MoHLightningCLI(args=["validate", *args, f"--ckpt_path={checkpoint}"]).trainer.callback_metrics
+    second = MoHLightningCLI(args=["validate", *args, f"--ckpt_path={checkpoint}"]).trainer.callback_metrics
+    assert first["val/acc1"] == second["val/acc1"]
+    assert 0.0 <= first["val/acc1"] <= 1.0
+
+
+@pytest.mark.parametrize("name", VIT_CONFIGS)
+def test_shipped_vit_configs_build_with_the_head_budget_in_their_name(name, run_dir):
+    cli = MoHLightningCLI(args=["--config", resolve_config(name), "--data.init_args.data_dir=/nonexistent"]
+                          if "mnist" not in name else ["--config", resolve_config(name)], run=False)
+    percent = int(Path(name).stem.split("_")[-1])
+    assert activated_head_fraction(cli.model) == pytest.approx(percent / 100, abs=0.01)
+    assert cli.trainer.gradient_clip_val == 1.0
+
+
+def test_print_config_prints_complete_yaml(capsys, run_dir):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "vit_s_75.yaml", "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model"]["class_path"] == "moh_lightning.tasks.classification.ImageClassifier"
+    assert config["model"]["init_args"]["vit"]["num_heads"] == 6
+    assert config["model"]["init_args"]["lr"] == 1e-3 and config["model"]["init_args"]["weight_decay"] == 0.05
+    assert "trainer" in config and "data" in config
+
+
+def test_bare_config_names_resolve_to_shipped_configs_and_unknown_names_fail(run_dir):
+    assert Path(resolve_config("vit_s_75.yaml")) == config_dir() / "vit_s_75.yaml"
+    assert Path(resolve_config("vit_s_75")) == config_dir() / "vit_s_75.yaml"
+    (run_dir / "vit_s_75.yaml").write_text("seed_everything: 1\n")
+    assert resolve_config("vit_s_75.yaml") == "vit_s_75.yaml"
+    with pytest.raises(SystemExit, match="no_such_config"):
+        resolve_config("no_such_config.yaml")
+
+
+@pytest.mark.parametrize("override, key", [("--model.init_args.vit.top_k=7", "top_k"),
+                                           ("--model.init_args.vit.num_shared_heads=9", "num_shared_heads"),
+                                           ("--model.init_args.load_balance_beta=-0.1", "load_balance_beta")])
+def test_invalid_budgets_fail_at_config_time_naming_the_key(override, key, run_dir):
+    with pytest.raises(ValueError, match=key):
+        main(["fit", "--config", "vit_tiny_mnist_75.yaml", override, "--trainer.fast_dev_run=1"])
+
+
+def test_missing_image_folder_names_the_key_and_the_embedded_config(tmp_path):
+    data = ImageFolderDataModule(data_dir=str(tmp_path / "imagenet"))
+    with pytest.raises(FileNotFoundError, match=r"data_dir.*vit_tiny_mnist_75\.yaml"):
+        data.setup("fit")
+
+
+def test_image_folder_serves_timm_transformed_batches(tmp_path):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for label in ("cat", "dog"):
+            folder = tmp_path / split / label
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    data = ImageFolderDataModule(str(tmp_path), img_size=32, batch_size=4, num_workers=0)
+    data.setup("fit")
+    images, labels = next(iter(data.train_dataloader()))
+    assert images.shape == (4, 3, 32, 32) and data.num_classes == 2
+    images, labels = next(iter(data.val_dataloader()))
+    assert images.shape == (4, 3, 32, 32) and set(labels.tolist()) <= {0, 1}
+
+
+def test_mnist_split_is_fixed_and_disjoint():
+    first, second = load_mnist_5k(seed=0), load_mnist_5k(seed=0)
+    assert len(first["train"][1]) == 4500 and len(first["val"][1]) == 500
+    np.testing.assert_array_equal(first["val"][0], second["val"][0])
+    train_rows = {row.tobytes() for row in first["train"][0]}
+    assert not any(row.tobytes() in train_rows for row in first["val"][0][:50])
+    data = MNISTDataModule(batch_size=8)
+    data.setup("fit")
+    images, labels = next(iter(data.train_dataloader()))
+    assert images.shape == (8, 1, 28, 28) and labels.dtype == torch.long
+
+
+def test_timm_vit_weights_load_into_moh_vit_and_dense_mode_reproduces_timm():
+    shape = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=6, num_classes=5, drop_path_rate=0.0)
+    reference = timm.models.vision_transformer.VisionTransformer(**shape).eval()
+    state = reference.state_dict()
+    dense = create_vit(ViTConfig(**shape, dense=True)).eval()
+    dense.load_state_dict(state)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(dense(x), reference(x), rtol=0, atol=0)
+    moh = create_vit(ViTConfig(**shape, num_shared_heads=2, top_k=[2, 3])).eval()
+    result = moh.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and all(".router." in key for key in result.missing_keys)
+    assert [block.attn.active_heads for block in moh.blocks] == [4, 5]
+
+
+def test_per_layer_budget_lists_must_match_depth():
+    with pytest.raises(ValueError, match="top_k has 3 entries for depth=12"):
+        vit_config("vit_s_75", top_k=[2, 2, 2])

@@ -1,0 +1,155 @@
+"""The MoH block: gate structure, equivalence with timm's attention, Eq. 4 by hand, Eq. 7, gradients, masks."""
+import pytest
+import torch
+from timm.layers import Attention
+
+from moh_lightning import MoHAttention, pop_load_balance_loss
+from moh_lightning.layers import KVCache, check_head_budget, load_balance_loss, moh_layers
+
+DIM, HEADS = 48, 6
+
+
+def make(**kwargs) -> MoHAttention:
+    torch.manual_seed(0)
+    return MoHAttention(DIM, num_heads=HEADS, qkv_bias=True, **kwargs)
+
+
+@pytest.mark.parametrize("shared, top_k, two_stage", [(2, 2, True), (0, 3, True), (2, 1, False), (1, 4, True)])
+def test_gates_have_shared_plus_top_k_nonzero_entries(shared, top_k, two_stage):
+    layer = make(num_shared_heads=shared, top_k=top_k, two_stage_routing=two_stage)
+    layer(torch.randn(3, 11, DIM))
+    gates = layer.last_gates
+    assert gates.shape == (3, 11, HEADS)
+    assert torch.all((gates != 0).sum(-1) == shared + top_k)
+    assert torch.all(gates[..., :shared] > 0)
+    assert not gates.requires_grad
+
+
+def test_dense_mode_equals_timm_attention_on_same_weights():
+    torch.manual_seed(0)
+    reference = Attention(DIM, num_heads=HEADS, qkv_bias=True, qk_norm=True, norm_layer=torch.nn.LayerNorm)
+    layer = MoHAttention(DIM, num_heads=HEADS, qkv_bias=True, qk_norm=True, norm_layer=torch.nn.LayerNorm,
+                         dense=True)
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 13, DIM)
+    torch.testing.assert_close(layer(x), reference(x), rtol=0, atol=0)
+    assert layer.router is None and layer.last_gates is None
+
+
+def test_timm_weights_load_into_moh_layer_with_fresh_router():
+    reference = Attention(DIM, num_heads=HEADS, qkv_bias=True)
+    result = make(num_shared_heads=2, top_k=2).load_state_dict(reference.state_dict(), strict=False)
+    assert result.unexpected_keys == []
+    assert all(key.startswith("router.") for key in result.missing_keys) and result.missing_keys
+
+
+def test_output_is_gate_weighted_sum_of_head_outputs_through_projection():
+    layer = make(num_shared_heads=2, top_k=2, attn_head_dim=10).eval()
+    x = torch.randn(2, 9, DIM)
+    out = layer(x)
+    gates = layer.last_gates
+    head_dim = 10
+    q, k, v = layer.qkv(x).reshape(2, 9, 3, HEADS, head_dim).permute(2, 0, 3, 1, 4)
+    attn = (q @ k.transpose(-2, -1) * head_dim ** -0.5).softmax(-1)
+    heads = attn @ v                                                   # (B, h, N, d)
+    w_o = layer.proj.weight.reshape(DIM, HEADS, head_dim)
+    expected = layer.proj.bias.clone()
+    for i in range(HEADS):                                             # sum_i g_i H_i W_O^i  (Eq. 4)
+        expected = expected + gates[..., i, None] * (heads[:, i] @ w_o[:, i].T)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_uniform_router_with_every_head_active_is_multi_head_attention():
+    layer = make(num_shared_heads=2, top_k=4)
+    dense = make(dense=True)
+    dense.load_state_dict(layer.state_dict(), strict=False)
+    for parameter in layer.router.parameters():
+        torch.nn.init.zeros_(parameter)
+    x = torch.randn(2, 7, DIM)
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.last_gates, torch.ones(2, 7, HEADS))
+
+
+def test_load_balance_loss_hand_computed():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]])
+    selected = torch.tensor([[True, False, False], [False, True, False]])
+    # f = [1/2, 1/2, 0], P = [0.3, 0.45, 0.25]; sum f P = 0.375; times E / k = 3
+    assert load_balance_loss(probs, selected, None, top_k=1).item() == pytest.approx(1.125)
+    # the padded second token does not count: f = [1, 0, 0], P = [0.5, 0.3, 0.2] -> 0.5 * 3
+    valid = torch.tensor([True, False])
+    assert load_balance_loss(probs, selected, valid, top_k=1).item() == pytest.approx(1.5)
+    balanced = torch.full((4, 4), 0.25)
+    balanced_selection = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    assert load_balance_loss(balanced, balanced_selection, None, top_k=2).item() == pytest.approx(1.0)
+
+
+def test_layer_load_balance_loss_matches_its_router_and_is_cleared_once_read():
+    layer = make(num_shared_heads=2, top_k=2).train()
+    x = torch.randn(2, 5, DIM)
+    layer(x)
+    probs = layer.router.routed_router(x.reshape(-1, DIM)).softmax(-1)
+    selected = layer.last_gates.reshape(-1, HEADS)[:, 2:] > 0
+    expected = load_balance_loss(probs, selected, None, top_k=2)
+    model = torch.nn.Sequential(layer)
+    torch.testing.assert_close(pop_load_balance_loss(model), expected)
+    assert layer.load_balance_loss is None and pop_load_balance_loss(model) is None
+    layer.eval()(x)
+    assert layer.load_balance_loss is None
+
+
+def test_gradients_reach_every_router():
+    layer = make(num_shared_heads=2, top_k=2).train()
+    out = layer(torch.randn(2, 8, DIM))
+    (out.square().mean() + 0.01 * pop_load_balance_loss(layer)).backward()
+    names = {name for name, _ in layer.router.named_parameters()}
+    assert names == {"shared_router.weight", "routed_router.weight", "type_router.weight"}
+    for name, parameter in layer.router.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+def test_padding_is_neither_routed_nor_attended():
+    layer = make(num_shared_heads=2, top_k=2).train()
+    x = torch.randn(1, 6, DIM)
+    padded = torch.cat([x, torch.randn(1, 3, DIM)], dim=1)
+    mask = torch.tensor([[True] * 6 + [False] * 3])
+    out_padded = layer(padded, padding_mask=mask)
+    loss_padded = layer.load_balance_loss
+    gates_padded = layer.last_gates
+    out = layer(x)
+    torch.testing.assert_close(out_padded[:, :6], out, rtol=1e-5, atol=1e-6)
+    assert torch.all(gates_padded[:, 6:] == 0)
+    torch.testing.assert_close(loss_padded, layer.load_balance_loss)
+
+
+def test_causal_decoding_with_kv_cache_matches_full_forward():
+    layer = make(num_shared_heads=2, top_k=2, causal=True, num_kv_heads=3).eval()
+    x = torch.randn(2, 7, DIM)
+    full = layer(x)
+    cache = KVCache(2, 3, 16, DIM // HEADS)
+    steps = [layer(x[:, :4], kv_cache=cache)] + [layer(x[:, i:i + 1], kv_cache=cache) for i in range(4, 7)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_query_norm_router_with_every_head_active_is_the_dense_layer():
+    layer = make(num_shared_heads=3, top_k=3, router="query_norm")
+    dense = make(dense=True)
+    dense.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 5, DIM)
+    torch.testing.assert_close(layer(x), dense(x))
+    sparse = make(num_shared_heads=3, top_k=1, router="query_norm")
+    sparse(x)
+    assert set(sparse.last_gates.unique().tolist()) == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("shared, top_k, key", [(7, 0, "num_shared_heads"), (2, 5, "top_k"), (-1, 2, "num_shared_heads"),
+                                               (6, 2, "top_k"), (2, 0, "top_k")])
+def test_impossible_head_budgets_name_the_key(shared, top_k, key):
+    with pytest.raises(ValueError, match=key):
+        check_head_budget(HEADS, shared, top_k)
+    with pytest.raises(ValueError, match=key):
+        make(num_shared_heads=shared, top_k=top_k)
+
+
+def test_moh_layers_skips_dense_layers():
+    model = torch.nn.Sequential(make(num_shared_heads=2, top_k=2), make(dense=True))
+    assert len(moh_layers(model)) == 1
