@@ -1,0 +1,315 @@
+"""Packed token sequences for causal LM training, from local text and Hugging Face ``datasets`` mixed by ratio.
+
+Every source is tokenised once into flat ``train.bin`` / ``val.bin`` token arrays under the cache folder
+(documents joined by EOS) and read back as memory maps, so data loaders never re-tokenise. A source is a
+local text file or folder, a ``datasets`` dataset (hub id or local folder / loader, streaming), or
+``python-stdlib``: the source files of the running interpreter's standard library, the embedded corpus
+that needs no download. Documents (files or rows) go to train or validation by a hash of their name, so
+the split is stable across runs and machines.
+
+Tokeniser: any Hugging Face tokenizer by name or path, or ``byte``: transformers' ``ByT5Tokenizer`` (UTF-8
+bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just ``byte + 3``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import sysconfig
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+BYTE_TOKENIZER = "byte"
+STDLIB = "python-stdlib"
+_BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
+_FORMAT_VERSION = 1
+
+
+@dataclass
+class TextSource:
+    """One corpus of the training mixture.
+
+    Give ``path`` (a text file, a folder searched recursively for ``pattern``, or ``python-stdlib``) or
+    ``dataset`` (a ``datasets.load_dataset`` name: hub id, local folder, or loader such as ``json`` with
+    ``data_files``). ``weight`` is the source's sampling ratio (normalised over the mixture);
+    ``val_fraction`` of its documents are held out for validation.
+    """
+
+    path: str | None = None
+    pattern: str = "*.txt"
+    dataset: str | None = None
+    dataset_config: str | None = None
+    data_files: str | list[str] | None = None
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+    max_documents: int | None = None
+    weight: float = 1.0
+    val_fraction: float = 0.02
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.dataset is None):
+            raise ValueError(f"data source {self}: give exactly one of path (file, folder or {STDLIB!r}) "
+                             f"or dataset (a datasets.load_dataset name).")
+        if self.weight <= 0:
+            raise ValueError(f"data source {self.path or self.dataset}: weight={self.weight} must be > 0.")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"data source {self.path or self.dataset}: val_fraction={self.val_fraction} "
+                             f"must be in [0, 1).")
+
+    @property
+    def label(self) -> str:
+        return self.path or self.dataset
+
+    def cache_key(self, tokenizer: str) -> str:
+        """Names the token arrays: everything that changes them, nothing (like weight) that does not."""
+        spec = {k: v for k, v in asdict(self).items() if k != "weight"}
+        blob = json.dumps({"source": spec, "tokenizer": tokenizer, "version": _FORMAT_VERSION,
+                           "python": sys.version_info[:2] if self.path == STDLIB else None}, sort_keys=True)
+        name = Path(self.label).name.replace("/", "_") or "source"
+        return f"{name}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+    def documents(self) -> Iterator[tuple[str, bytes | str]]:
+        """(name, content) of every document, in a fixed order."""
+        if self.path is not None:
+            yield from _file_documents(self)
+            return
+        import datasets
+
+        data = datasets.load_dataset(self.dataset, self.dataset_config, split=self.split,
+                                     streaming=self.streaming, data_files=self.data_files)
+        for index, row in enumerate(data):
+            if self.max_documents is not None and index >= self.max_documents:
+                return
+            if self.text_field not in row:
+                raise KeyError(f"dataset {self.dataset}: rows have no text_field {self.text_field!r} "
+                               f"(fields: {sorted(row)}); set text_field.")
+            yield str(index), row[self.text_field]
+
+
+def _file_documents(source: TextSource) -> Iterator[tuple[str, bytes]]:
+    if source.path == STDLIB:
+        root, pattern = Path(sysconfig.get_paths()["stdlib"]), "*.py"
+    else:
+        root, pattern = Path(source.path).expanduser(), source.pattern
+    if root.is_file():
+        files, root = [root], root.parent
+    elif root.is_dir():
+        files = sorted(p for p in root.rglob(pattern)
+                       if p.is_file() and not {"site-packages", "dist-packages"} & set(p.parts))
+    else:
+        raise FileNotFoundError(f"data source path {source.path}: no such file or folder.")
+    if not files:
+        raise FileNotFoundError(f"data source path {source.path}: no files match pattern {pattern!r}.")
+    for index, file in enumerate(files):
+        if source.max_documents is not None and index >= source.max_documents:
+            return
+        yield file.relative_to(root).as_posix(), file.read_bytes()
+
+
+def is_validation(name: str, val_fraction: float) -> bool:
+    """Stable train / validation assignment of a document by a hash of its name."""
+    return zlib.crc32(name.encode()) % 10_000 < val_fraction * 10_000
+
+
+def load_tokenizer(name: str):
+    """``byte`` (ByT5's byte-level tokenizer, built without any file) or a Hugging Face tokenizer."""
+    if name == BYTE_TOKENIZER:
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer(extra_ids=0)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as error:
+        raise OSError(f"tokenizer {name!r}: cannot load it ({error}); give a local tokenizer folder, a hub id "
+                      f"reachable from here, or 'byte'.") from error
+
+
+def encode(tokenizer, tokenizer_name: str, text: bytes | str) -> np.ndarray:
+    """Token ids of one document followed by EOS."""
+    if tokenizer_name == BYTE_TOKENIZER:
+        raw = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) + _BYTE_OFFSET
+    else:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    return np.append(ids, tokenizer.eos_token_id)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
+
+
+def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path) -> Path:
+    """Writes ``train.bin`` / ``val.bin`` / ``meta.json`` for ``source`` once; returns its folder."""
+    folder = cache_dir / source.cache_key(tokenizer_name)
+    if (folder / "meta.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(tokenizer_name)
+    dtype = token_dtype(len(tokenizer))
+    counts = {"train": 0, "val": 0}
+    documents = {"train": 0, "val": 0}
+    with open(folder / "train.bin.tmp", "wb") as train, open(folder / "val.bin.tmp", "wb") as val:
+        for name, text in source.documents():
+            split = "val" if is_validation(name, source.val_fraction) else "train"
+            ids = encode(tokenizer, tokenizer_name, text).astype(dtype)
+            (val if split == "val" else train).write(ids.tobytes())
+            counts[split] += len(ids)
+            documents[split] += 1
+    for split in ("train", "val"):
+        (folder / f"{split}.bin.tmp").rename(folder / f"{split}.bin")
+    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "tokenizer": tokenizer_name,
+            "vocab_size": len(tokenizer), "source": asdict(source)}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
+    return folder
+
+
+def open_tokens(folder: Path, split: str) -> np.ndarray:
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta["tokens"][split] == 0:
+        return np.zeros(0, dtype=meta["dtype"])
+    return np.memmap(folder / f"{split}.bin", dtype=meta["dtype"], mode="r")
+
+
+class MixtureSequences(Dataset):
+    """``num_samples`` windows of ``seq_len + 1`` tokens, each from a source drawn with the mixture weights.
+
+    Within a source the windows are its non-overlapping chunks in a seeded random order, taken in turn (and
+    cycled once exhausted), so a source is seen evenly before any chunk repeats.
+    """
+
+    def __init__(self, arrays: list[np.ndarray], weights: list[float], seq_len: int, num_samples: int,
+                 seed: int = 0) -> None:
+        self.arrays, self.seq_len = arrays, seq_len
+        chunks = [(len(a) - 1) // seq_len for a in arrays]
+        usable = [i for i, n in enumerate(chunks) if n > 0]
+        if not usable:
+            raise ValueError(f"no training source has more than seq_len={seq_len} tokens: lower seq_len.")
+        probs = np.array([weights[i] if chunks[i] > 0 else 0.0 for i in range(len(arrays))])
+        rng = np.random.default_rng(seed)
+        self.source = rng.choice(len(arrays), size=num_samples, p=probs / probs.sum())
+        self.chunk = np.zeros(num_samples, dtype=np.int64)
+        for i in usable:
+            where = np.flatnonzero(self.source == i)
+            order = rng.permutation(chunks[i])
+            self.chunk[where] = order[np.arange(len(where)) % chunks[i]]
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        source = int(self.source[index])
+        start = int(self.chunk[index]) * self.seq_len
+        window = np.asarray(self.arrays[source][start:start + self.seq_len + 1], dtype=np.int64)
+        return {"tokens": torch.from_numpy(window), "source": torch.tensor(source)}
+
+
+class EvenChunks(Dataset):
+    """Non-overlapping windows of every source's validation tokens, thinned evenly to ``max_samples``."""
+
+    def __init__(self, arrays: list[np.ndarray], seq_len: int, max_samples: int | None = None) -> None:
+        self.arrays, self.seq_len = arrays, seq_len
+        self.items = [(s, c) for s, a in enumerate(arrays) for c in range((len(a) - 1) // seq_len)]
+        if max_samples is not None and len(self.items) > max_samples:
+            keep = np.linspace(0, len(self.items) - 1, max_samples).round().astype(int)
+            self.items = [self.items[i] for i in keep]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        source, chunk = self.items[index]
+        start = chunk * self.seq_len
+        window = np.asarray(self.arrays[source][start:start + self.seq_len + 1], dtype=np.int64)
+        return {"tokens": torch.from_numpy(window), "source": torch.tensor(source)}
+
+
+class TextDataModule(LightningDataModule):
+    """Packed next-token sequences from a weighted mixture of text sources.
+
+    Args:
+        sources: The corpora and their sampling weights; the Python standard library when None.
+        tokenizer: ``byte`` or a Hugging Face tokenizer name / folder.
+        seq_len: Tokens per training sequence (each sample holds ``seq_len + 1`` for the shifted target).
+        batch_size: Sequences per micro-batch (the token batch is reached with the Trainer's
+            ``accumulate_grad_batches``).
+        num_workers: DataLoader workers.
+        cache_dir: Where token arrays are written; ``~/.cache/moh_lightning/text`` when None.
+        samples_per_epoch: Training windows per epoch; every source's chunk count summed when None.
+        val_samples: Validation windows, spread evenly over the held-out documents; all when None.
+        seed: Seed of the mixture draw.
+    """
+
+    def __init__(
+            self,
+            sources: list[TextSource] | None = None,
+            tokenizer: str = BYTE_TOKENIZER,
+            seq_len: int = 2048,
+            batch_size: int = 8,
+            num_workers: int = 0,
+            cache_dir: str | None = None,
+            samples_per_epoch: int | None = None,
+            val_samples: int | None = 512,
+            seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.sources = list(sources) if sources else [TextSource(path=STDLIB, pattern="*.py")]
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache/moh_lightning/text"
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.hparams.tokenizer)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def is_byte_level(self) -> bool:
+        """Every token but EOS is one UTF-8 byte, so nats per token convert directly to bits per byte."""
+        return self.hparams.tokenizer == BYTE_TOKENIZER
+
+    def prepare_data(self) -> None:
+        for source in self.sources:
+            tokenize_source(source, self.hparams.tokenizer, self.cache_dir)
+
+    def setup(self, stage: str) -> None:
+        folders = [tokenize_source(s, self.hparams.tokenizer, self.cache_dir) for s in self.sources]
+        seq_len = self.hparams.seq_len
+        train = [open_tokens(f, "train") for f in folders]
+        num_samples = self.hparams.samples_per_epoch or max(1, sum((len(a) - 1) // seq_len for a in train))
+        self.train_set = MixtureSequences(train, [s.weight for s in self.sources], seq_len, num_samples,
+                                          self.hparams.seed)
+        self.val_set = EvenChunks([open_tokens(f, "val") for f in folders], seq_len, self.hparams.val_samples)
+        if len(self.val_set) == 0:
+            raise ValueError(f"no validation window of seq_len={seq_len} tokens: raise a source's val_fraction "
+                             f"or lower seq_len.")
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False,
+                          num_workers=self.hparams.num_workers)
+
+
+__all__ = ["BYTE_TOKENIZER", "STDLIB", "EvenChunks", "MixtureSequences", "TextDataModule", "TextSource",
+           "encode", "is_validation", "load_tokenizer", "tokenize_source"]

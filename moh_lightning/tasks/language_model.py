@@ -1,0 +1,211 @@
+"""Causal language modelling with a MoH-LLaMA decoder: the paper's LLM recipe (section 4.3, Tab. C / D).
+
+AdamW (weight decay 0.1 on matrices and embeddings, none on norms), linear warm-up from ``warmup_init_lr``
+then cosine decay to ``min_lr`` over the token budget, load-balance loss beta 0.01. Gradient clipping (1.0),
+bf16 and gradient accumulation are Trainer settings in the configs. Training stops once ``max_tokens``
+tokens have been consumed. Loss, perplexity and, for the byte tokenizer, bits per byte are logged.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+
+from moh_lightning.layers.moh_attention import activated_head_fraction, pop_load_balance_loss
+from moh_lightning.models.llama import LlamaConfig, MoHLlama
+
+
+class LanguageModel(LightningModule):
+    """Trains a (MoH) LLaMA decoder on next-token prediction.
+
+    Args:
+        llm: The architecture (``moh_lightning.models.llama.LLAMA_CONFIGS`` lists the named ones).
+        init_from_hf: A ``transformers`` LLaMA checkpoint (folder or hub id) to continue-tune: its weights are
+            converted into ``llm`` (whose shapes must match, see ``convert_llama.llm_config_from_hf``).
+        lr: Maximum learning rate.
+        min_lr: Learning rate at the end of the cosine decay.
+        warmup_init_lr: Learning rate at the first step of the linear warm-up.
+        warmup_steps: Optimizer steps of linear warm-up.
+        max_tokens: Training budget in tokens; sets the cosine length and stops training once reached.
+        weight_decay: AdamW weight decay (not applied to norm gains).
+        betas: AdamW betas.
+        load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
+    """
+
+    def __init__(
+            self,
+            llm: LlamaConfig | dict,
+            init_from_hf: str | None = None,
+            lr: float = 3e-4,
+            min_lr: float = 3e-5,
+            warmup_init_lr: float = 1e-7,
+            warmup_steps: int = 2000,
+            max_tokens: int = 100_000_000_000,
+            weight_decay: float = 0.1,
+            betas: tuple[float, float] = (0.9, 0.95),
+            load_balance_beta: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if load_balance_beta < 0:
+            raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
+        if max_tokens <= 0:
+            raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
+        if not 0 <= min_lr <= lr:
+            raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
+        self.save_hyperparameters()
+        # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
+        self.config = llm if isinstance(llm, LlamaConfig) else LlamaConfig(**llm)
+        self.model = MoHLlama(self.config)
+        self.tokens_seen = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def setup(self, stage: str) -> None:
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
+            raise ValueError(f"model.init_args.llm.vocab_size={self.config.vocab_size} is smaller than the "
+                             f"tokenizer's {data_vocab} tokens: set it to at least {data_vocab}.")
+        if stage == "fit" and self.hparams.init_from_hf and self.tokens_seen == 0:
+            from moh_lightning.models.convert_llama import load_hf_weights
+
+            load_hf_weights(self.model, self.hparams.init_from_hf)
+
+    def head_load_groups(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The mixture source of each sequence: head load is compared across corpora."""
+        return batch.get("source")
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = batch["tokens"]
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        lm_loss = self._loss(batch)
+        loss = lm_loss
+        balance = pop_load_balance_loss(self.model)
+        if balance is not None:
+            loss = loss + self.hparams.load_balance_beta * balance
+            self.log("train/load_balance_loss", balance)
+        self.tokens_seen += batch["tokens"][:, 1:].numel() * self.trainer.world_size
+        self.log("train/loss", lm_loss, prog_bar=True)
+        self.log("train/ppl", lm_loss.exp())
+        self.log("train/tokens", float(self.tokens_seen))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.tokens_seen >= self.hparams.max_tokens:
+            self.trainer.should_stop = True
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", loss.exp())
+        if getattr(self.trainer.datamodule, "is_byte_level", False):
+            self.log("val/bpb", loss / math.log(2))
+        self.log("val/activated_heads", activated_head_fraction(self.model))
+        self.log("val/tokens", float(self.tokens_seen))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)
+
+    def total_steps(self) -> int:
+        """Optimizer steps in the token budget, from the data module's batch shape and the accumulation."""
+        data = self.trainer.datamodule
+        tokens_per_step = (data.hparams.batch_size * data.hparams.seq_len * self.trainer.accumulate_grad_batches
+                           * self.trainer.world_size)
+        return max(1, math.ceil(self.hparams.max_tokens / tokens_per_step))
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+        )
+        schedule = warmup_cosine(self.hparams.lr, self.hparams.min_lr, self.hparams.warmup_init_lr,
+                                 self.hparams.warmup_steps, self.total_steps())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step) / self.hparams.lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, total_steps: int):
+    """Learning rate at an optimizer step: linear from ``init_lr`` to ``lr``, then cosine down to ``min_lr``."""
+
+    def at(step: int) -> float:
+        if step < warmup_steps:
+            return init_lr + (lr - init_lr) * step / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+    return at
+
+
+def load_language_model(checkpoint: str | Path, map_location: str = "cpu") -> tuple[LanguageModel, dict]:
+    """A trained ``LanguageModel`` in eval mode and its data module's hyper-parameters (tokenizer, ...)."""
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint}: no such file; give a .ckpt written by `moh fit`.")
+    raw = torch.load(path, map_location=map_location, weights_only=False)
+    data_hparams = dict(raw.get("datamodule_hyper_parameters") or {})
+    hparams = dict(raw["hyper_parameters"])
+    hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
+    task = LanguageModel(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    task.load_state_dict(raw["state_dict"])
+    task.tokens_seen = raw.get("tokens_seen", 0)
+    return task.eval(), data_hparams
+
+
+def generate(
+        checkpoint: str,
+        prompt: str = "def ",
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        top_p: float = 1.0,
+        seed: int = 0,
+        num_samples: int = 1,
+        tokenizer: str | None = None,
+) -> list[str]:
+    """Continues a prompt with a trained MoH language model, decoding through the KV cache.
+
+    Args:
+        checkpoint: A ``.ckpt`` written by ``moh fit`` with a LanguageModel.
+        prompt: Text to continue.
+        max_new_tokens: Tokens to generate (fewer if EOS comes first or the context is full).
+        temperature: Softmax temperature; 0 is greedy decoding.
+        top_k: Sample among the k most likely tokens; None for all.
+        top_p: Nucleus sampling mass; 1.0 turns it off.
+        seed: Random seed of the sampler.
+        num_samples: Continuations to draw.
+        tokenizer: Tokenizer name or folder; the one the model was trained with when None.
+    """
+    from moh_lightning.data.text import load_tokenizer
+
+    task, data_hparams = load_language_model(checkpoint)
+    tokenizer_name = tokenizer or data_hparams.get("tokenizer")
+    if tokenizer_name is None:
+        raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass --tokenizer.")
+    tok = load_tokenizer(tokenizer_name)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError("--prompt is empty after tokenisation: give some text to continue.")
+    idx = torch.tensor([ids] * num_samples)
+    out = task.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_id=tok.eos_token_id, seed=seed)
+    texts = [tok.decode(row[len(ids):].tolist(), skip_special_tokens=True) for row in out]
+    for text in texts:
+        print(prompt + text)
+        print("-" * 40)
+    return texts
+
+
+__all__ = ["LanguageModel", "generate", "load_language_model", "warmup_cosine"]
