@@ -17,7 +17,11 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
-TOOLS: dict[str, str] = {}
+TOOLS: dict[str, str] = {
+    "bench": "moh_lightning.bench:bench",
+    "sample": "moh_lightning.tasks.diffusion:sample",
+    "fidelity": "moh_lightning.evaluation.fidelity:fidelity",
+}
 
 _CONFIG_FLAGS = ("--config", "-c")
 

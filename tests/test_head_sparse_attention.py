@@ -1,0 +1,125 @@
+"""The head-sparse execution of MoHAttention equals the dense-and-mask one, forward and backward."""
+import copy
+
+import pytest
+import torch
+
+from moh_lightning.layers import KVCache, MoHAttention
+from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
+
+TOL = {"atol": 1e-5, "rtol": 0.0}
+
+
+def _pair(**kwargs) -> tuple[MoHAttention, MoHAttention]:
+    torch.manual_seed(0)
+    dense = MoHAttention(64, execution="dense", **kwargs)
+    sparse = copy.deepcopy(dense)
+    sparse.execution = "sparse"
+    return dense, sparse
+
+
+def _forward_backward(layer: MoHAttention, x: torch.Tensor, **kwargs):
+    x = x.clone().requires_grad_()
+    out = layer(x, **kwargs)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    loss = (out * weight).sum()
+    if layer.load_balance_loss is not None:
+        loss = loss + layer.load_balance_loss
+    loss.backward()
+    return out, x.grad, {name: p.grad for name, p in layer.named_parameters()}
+
+
+CASES = {
+    "bidirectional": ({"num_heads": 8, "num_shared_heads": 2, "top_k": 2}, {}),
+    "causal": ({"num_heads": 8, "num_shared_heads": 2, "top_k": 3, "causal": True}, {}),
+    "no_shared_heads": ({"num_heads": 4, "num_shared_heads": 0, "top_k": 2}, {}),
+    "single_stage": ({"num_heads": 8, "num_shared_heads": 1, "top_k": 4, "two_stage_routing": False}, {}),
+    "gqa_causal": ({"num_heads": 8, "num_shared_heads": 2, "top_k": 2, "num_kv_heads": 2, "causal": True}, {}),
+    "gqa_unaligned": ({"num_heads": 8, "num_shared_heads": 1, "top_k": 3, "num_kv_heads": 4}, {}),
+    "qk_norm": ({"num_heads": 8, "num_shared_heads": 2, "top_k": 2, "qk_norm": True,
+                 "norm_layer": torch.nn.LayerNorm}, {}),
+    "padding_causal": ({"num_heads": 8, "num_shared_heads": 2, "top_k": 2, "causal": True}, {"padding": True}),
+    "attn_mask": ({"num_heads": 8, "num_shared_heads": 2, "top_k": 2}, {"attn_mask": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sparse_equals_dense_forward_backward(case):
+    kwargs, extra = CASES[case]
+    dense, sparse = _pair(**kwargs)
+    dense.train(), sparse.train()
+    x = torch.randn(3, 150, 64, generator=torch.Generator().manual_seed(2))   # > one causal chunk of slots
+    call = {}
+    if extra.get("padding"):
+        padding_mask = torch.ones(3, 150, dtype=torch.bool)
+        padding_mask[0, -20:] = False
+        padding_mask[2, -75:] = False
+        call["padding_mask"] = padding_mask
+    if extra.get("attn_mask"):
+        call["attn_mask"] = torch.randn(1, 8, 150, 150, generator=torch.Generator().manual_seed(3))
+    out_d, dx_d, grads_d = _forward_backward(dense, x, **call)
+    out_s, dx_s, grads_s = _forward_backward(sparse, x, **call)
+    torch.testing.assert_close(out_s, out_d, **TOL)
+    torch.testing.assert_close(dx_s, dx_d, **TOL)
+    assert grads_d.keys() == grads_s.keys()
+    for name, grad in grads_d.items():
+        assert grad is not None, name
+        torch.testing.assert_close(grads_s[name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+    assert any("router" in name for name in grads_d)
+
+
+def test_sparse_skips_unselected_pairs():
+    """Perturbing a query no gate selects leaves the sparse output unchanged: its attention was never run."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4, 40, 8).unbind(0)
+    gates = torch.ones(2, 40, 4)
+    gates[:, 5, 3] = 0.0
+    out = head_sparse_attention(q, k, v, gates, num_shared_heads=1)
+    q[:, 3, 5] = float("nan")
+    again = head_sparse_attention(q, k, v, gates, num_shared_heads=1)
+    torch.testing.assert_close(again, out)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 4])
+def test_sparse_kv_cache_decode_equals_dense(num_kv_heads):
+    dense, sparse = _pair(num_heads=8, num_shared_heads=2, top_k=2, causal=True, num_kv_heads=num_kv_heads)
+    dense.eval(), sparse.eval()
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(4))
+    caches = [KVCache(2, num_kv_heads, 64, 8) for _ in range(2)]
+    with torch.no_grad():
+        for layer, cache in zip((dense, sparse), caches):
+            layer(x[:, :32], kv_cache=cache)
+        for step in range(32, 40):
+            outs = [layer(x[:, step:step + 1], kv_cache=cache) for layer, cache in zip((dense, sparse), caches)]
+            torch.testing.assert_close(outs[1], outs[0], **TOL)
+        chunk = [layer(x[:, :5], kv_cache=cache) for layer, cache in zip((dense, sparse), caches)]
+    torch.testing.assert_close(chunk[1], chunk[0], **TOL)   # several new tokens after a cache: offset positions
+
+
+def test_query_norm_router_sparse_at_inference_dense_in_training():
+    dense, sparse = _pair(num_heads=8, num_shared_heads=2, top_k=3, router="query_norm", causal=True)
+    x = torch.randn(2, 96, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(x), dense(x), **TOL)
+    with pytest.raises(ValueError, match="straight-through"):
+        sparse(x)
+    sparse.execution = "auto"
+    torch.testing.assert_close(sparse(x), dense(x), **TOL)
+
+
+def test_auto_chooses_from_shapes():
+    assert not use_head_sparse("auto", 197, 197, 0.5, decoding=False)
+    assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
+    assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True)
+    assert not use_head_sparse("auto", 4096, 4096, 1.0, decoding=False)
+    assert use_head_sparse("sparse", 8, 8, 1.0, decoding=False)
+    assert not use_head_sparse("dense", 4096, 4096, 0.5, decoding=False)
+
+
+def test_bench_quick_writes_report(tmp_path):
+    from moh_lightning.bench import bench
+
+    report = bench(quick=True, output=str(tmp_path / "bench.md"))
+    text = report.read_text()
+    assert "| bidirectional" in text and "decode" in text
+    assert (tmp_path / "bench.png").is_file()
