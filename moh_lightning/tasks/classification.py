@@ -67,8 +67,8 @@ class ImageClassifier(LightningModule):
             self.train_criterion = SoftTargetCrossEntropy()
         else:
             self.train_criterion = LabelSmoothingCrossEntropy(label_smoothing)
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
