@@ -1,0 +1,218 @@
+"""Pretrained ``transformers`` LLaMA <-> MoH-LLaMA (paper section 4.4: continue-tuning LLaMA3-8B into MoH).
+
+``from_hf`` turns a ``LlamaForCausalLM`` (local folder or hub id) into ``MoHLlama`` with the parameter-free
+query-norm router: the first ``num_shared_heads`` heads of every layer are shared (half by default, as the
+paper does) and ``top_k`` routed heads are kept per token. With every head kept the converted model computes
+exactly the original's logits. ``export_hf`` writes a MoH (or dense) model back to a folder that
+``transformers`` loads: safetensors weights under LLaMA's names, the config, and ``hf_moh_llama.py`` as
+``trust_remote_code`` modelling code, so lm-eval's own ``hf`` model type can evaluate it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moh_lightning.models.llama import LlamaConfig, MoHLlama
+
+
+def llm_config_from_hf(hf_config, num_shared_heads: int | None = None, top_k: int | None = None,
+                       dense: bool = False) -> LlamaConfig:
+    """Our config for a ``transformers`` ``LlamaConfig``; defaults keep half the heads shared and route to 75%.
+
+    ``top_k`` defaults to half the routed heads (75% active); ``top_k`` = all routed heads is 100%.
+    """
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_type={rope_type!r} in the LLaMA config: only the default rotary embedding "
+                         f"(LLaMA 1/2/3.0) is supported.")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r} in the LLaMA config: SwiGLU needs 'silu'.")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ValueError("attention_bias / mlp_bias in the LLaMA config: MoH-LLaMA has no biases.")
+    n_head = hf_config.num_attention_heads
+    shared = n_head // 2 if num_shared_heads is None else num_shared_heads
+    if top_k is None:
+        top_k = max(1, (n_head - shared) // 2) if n_head > shared else 0
+    return LlamaConfig(
+        vocab_size=hf_config.vocab_size,
+        n_layer=hf_config.num_hidden_layers,
+        n_embd=hf_config.hidden_size,
+        n_head=n_head,
+        head_size=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head,
+        n_kv_head=hf_config.num_key_value_heads,
+        intermediate_size=hf_config.intermediate_size,
+        block_size=hf_config.max_position_embeddings,
+        rope_base=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+        norm_eps=hf_config.rms_norm_eps,
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        dense=dense,
+        num_shared_heads=shared,
+        top_k=top_k,
+        router="query_norm",
+    )
+
+
+def hf_to_moh_state_dict(hf_state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` weights under ``MoHLlama``'s names (q, k, v stacked into ``qkv``)."""
+    out = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"],
+           "lm_head.weight": hf_state.get("lm_head.weight", hf_state["model.embed_tokens.weight"])}
+    for i in range(config.n_layer):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        attn = hf + "self_attn."
+        out[ours + "attn.qkv.weight"] = torch.cat(
+            [hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"]])
+        out[ours + "attn.proj.weight"] = hf_state[attn + "o_proj.weight"]
+        out[ours + "attn_norm.weight"] = hf_state[hf + "input_layernorm.weight"]
+        out[ours + "mlp_norm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[ours + f"mlp.{proj}.weight"] = hf_state[hf + f"mlp.{proj}.weight"]
+    return out
+
+
+def moh_to_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """``MoHLlama`` weights under ``LlamaForCausalLM``'s names (the inverse of ``hf_to_moh_state_dict``)."""
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    q_size, kv_size = config.n_head * config.head_size, config.n_kv_head * config.head_size
+    for i in range(config.n_layer):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        q, k, v = state[ours + "attn.qkv.weight"].split([q_size, kv_size, kv_size])
+        attn = hf + "self_attn."
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+                    attn + "o_proj.weight": state[ours + "attn.proj.weight"],
+                    hf + "input_layernorm.weight": state[ours + "attn_norm.weight"],
+                    hf + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"]})
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[hf + f"mlp.{proj}.weight"] = state[ours + f"mlp.{proj}.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _load_hf_model(source: str, dtype: torch.dtype | None = None):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as error:
+        raise OSError(f"LLaMA checkpoint {source!r}: cannot load it ({error}); give a local folder with "
+                      f"config.json and weights, or a hub id reachable from here.") from error
+
+
+def load_hf_weights(model: MoHLlama, source: str) -> None:
+    """Copies a ``transformers`` LLaMA's weights into ``model``, whose shapes must match the checkpoint's."""
+    hf = _load_hf_model(source)
+    state = hf_to_moh_state_dict(hf.state_dict(), model.config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if ".router." not in k]:
+        raise ValueError(f"LLaMA checkpoint {source!r} does not match model.init_args.llm (missing {missing}, "
+                         f"unexpected {unexpected}); build the llm section with llm_config_from_hf.")
+
+
+def from_hf(source: str, num_shared_heads: int | None = None, top_k: int | None = None, dense: bool = False,
+            dtype: torch.dtype | None = None) -> MoHLlama:
+    """A ``MoHLlama`` with the weights of a ``transformers`` LLaMA (folder or hub id); see ``llm_config_from_hf``."""
+    hf = _load_hf_model(source, dtype)
+    config = llm_config_from_hf(hf.config, num_shared_heads, top_k, dense)
+    model = MoHLlama(config).to(hf.dtype)
+    model.load_state_dict(hf_to_moh_state_dict(hf.state_dict(), config), strict=True)
+    return model.eval()
+
+
+def hf_config_for(config: LlamaConfig, **extra):
+    """The ``transformers`` config of an exported model: plain LLaMA when dense, else ``MoHLlamaConfig``."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    from moh_lightning.models.hf_moh_llama import MoHLlamaConfig
+
+    if not config.dense and config.router != "query_norm":
+        raise ValueError("export to transformers needs router='query_norm' (continue-tuned) or a dense model; a "
+                         "learned-router model is evaluated with `moh lm-eval` (lm-eval model type 'moh').")
+    kwargs = dict(
+        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
+        head_dim=config.head_size, max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_base},
+        tie_word_embeddings=config.tie_embeddings, hidden_act="silu", **extra,
+    )
+    if config.dense:
+        return HFLlamaConfig(**kwargs)
+    return MoHLlamaConfig(moh_num_shared_heads=config.num_shared_heads, moh_top_k=config.top_k, **kwargs)
+
+
+def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None) -> Path:
+    """Writes ``model`` as a ``transformers`` folder (safetensors, config, modelling code, tokenizer if given).
+
+    A MoH model loads with ``trust_remote_code=True``; a dense one is a plain ``LlamaForCausalLM``.
+    """
+    from transformers import LlamaForCausalLM
+
+    from moh_lightning.models.hf_moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM
+
+    folder = Path(folder)
+    special = {}
+    if tokenizer is not None:
+        special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id}
+    hf_config = hf_config_for(model.config, **special)
+    if isinstance(hf_config, MoHLlamaConfig):
+        # Registering makes save_pretrained copy hf_moh_llama.py into the folder and write config.auto_map.
+        MoHLlamaConfig.register_for_auto_class()
+        MoHLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+        hf_model = MoHLlamaForCausalLM(hf_config)
+    else:
+        hf_model = LlamaForCausalLM(hf_config)
+    state = moh_to_hf_state_dict(model.state_dict(), model.config)
+    hf_model.load_state_dict(state, strict=not model.config.tie_embeddings)
+    hf_model.to(next(model.parameters()).dtype).save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def convert_llama(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
+                  dtype: str = "bfloat16") -> str:
+    """Converts a ``transformers`` LLaMA into a MoH-LLaMA folder that ``transformers`` and lm-eval load.
+
+    Args:
+        source: LLaMA checkpoint: a local folder or a hub id.
+        out: Folder to write (weights, config, modelling code, tokenizer).
+        num_shared_heads: Always-active heads per layer (the first ones); half of the heads when None.
+        top_k: Routed heads kept per token; half of the routed heads (75% active) when None.
+        dtype: Weight dtype of the written model (float32, bfloat16, float16).
+    """
+    from transformers import AutoTokenizer
+
+    model = from_hf(source, num_shared_heads, top_k, dtype=getattr(torch, dtype))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        tokenizer = None  # a weights-only folder; pass the tokenizer to lm-eval separately
+    export_hf(model, out, tokenizer)
+    print(f"wrote {out}: {model.config.num_shared_heads} shared + top-{model.config.top_k} of "
+          f"{model.config.n_head - model.config.num_shared_heads} routed heads "
+          f"({model.config.activated_fraction:.0%} active)")
+    return out
+
+
+def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None) -> str:
+    """Exports a ``moh fit`` LanguageModel checkpoint (query-norm router or dense) to a ``transformers`` folder.
+
+    Args:
+        checkpoint: A ``.ckpt`` written by ``moh fit`` with a LanguageModel.
+        out: Folder to write.
+        tokenizer: Tokenizer name or folder saved beside the weights; the training tokenizer when None.
+    """
+    from moh_lightning.data.text import load_tokenizer
+    from moh_lightning.tasks.language_model import load_language_model
+
+    task, data_hparams = load_language_model(checkpoint)
+    name = tokenizer or data_hparams.get("tokenizer")
+    export_hf(task.model, out, load_tokenizer(name) if name else None)
+    print(f"wrote {out}")
+    return out
+
+
+__all__ = ["convert_llama", "export_checkpoint", "export_hf", "from_hf", "hf_config_for", "hf_to_moh_state_dict",
+           "llm_config_from_hf", "load_hf_weights", "moh_to_hf_state_dict"]
