@@ -1,0 +1,141 @@
+"""lm-evaluation-harness for MoH language models, through the harness's own model interface.
+
+``MoHLM`` is registered with lm-eval as model type ``moh``: it reuses the harness's ``HFLM`` (request
+batching, loglikelihood / rolling / generate_until logic, tokenisation) and only swaps the network for a
+``moh fit`` checkpoint, so learned-router models trained from scratch are evaluated exactly like Hugging Face
+ones. Folders written by ``moh convert-llama`` / ``moh export-hf`` go through lm-eval's stock ``hf`` model
+instead (``--hf_folder``). The paper's benchmarks (Tab. 4 / 5) are the default task list.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from torch import nn
+from transformers import PretrainedConfig
+
+from moh_lightning.models.llama import MoHLlama
+
+PAPER_TASKS = ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc2", "lambada_openai",
+               "arc_easy", "boolq"]
+
+
+class _HarnessView(nn.Module):
+    """What ``HFLM`` reads from a pre-built model: ``config``, ``device``, ``tie_weights``; logits come from
+    ``MoHLM._model_call``."""
+
+    def __init__(self, model: MoHLlama) -> None:
+        super().__init__()
+        self.net = model
+        self.config = PretrainedConfig(max_position_embeddings=model.config.block_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.net.parameters()).device
+
+    def tie_weights(self) -> None:  # MoHLlama ties its embeddings itself when configured to
+        pass
+
+
+@register_model("moh")
+class MoHLM(HFLM):
+    """A ``moh fit`` LanguageModel checkpoint as an lm-eval model (``--model moh``).
+
+    Args:
+        checkpoint: The ``.ckpt`` file.
+        tokenizer: Tokenizer name or folder; the one recorded with the checkpoint's data module when None.
+        batch_size: Requests per forward pass.
+        max_length: Context length; the model's ``block_size`` when None.
+        device: ``cpu`` or ``cuda``.
+    """
+
+    def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 1,
+                 max_length: int | None = None, device: str = "cpu", **kwargs) -> None:
+        from moh_lightning.data.text import load_tokenizer
+        from moh_lightning.tasks.language_model import load_language_model
+
+        task, data_hparams = load_language_model(checkpoint, map_location=device)
+        name = tokenizer or data_hparams.get("tokenizer")
+        if name is None:
+            raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
+        self.net = task.model.to(device).eval()
+        super().__init__(pretrained=_HarnessView(self.net), tokenizer=load_tokenizer(name), backend="causal",
+                         batch_size=batch_size, max_length=max_length or self.net.config.block_size, **kwargs)
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        # Requests are right-padded, so the causal logits of the real tokens do not see the padding.
+        with torch.no_grad():
+            return self.net(inps)
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        """Decodes each (left-padded) row alone through the KV cache; HFLM cuts the text at ``stop``."""
+        temperature = float(generation_kwargs.get("temperature", 0.0) or 0.0)
+        if not generation_kwargs.get("do_sample", False):
+            temperature = 0.0
+        pad = self.tokenizer.pad_token_id
+        rows = []
+        for row in context:
+            start = 0
+            while start < len(row) - 1 and row[start] == pad:
+                start += 1
+            out = self.net.generate(row[None, start:], max_length - context.shape[1], temperature=temperature,
+                                    top_k=generation_kwargs.get("top_k"), top_p=generation_kwargs.get("top_p", 1.0),
+                                    eos_id=self.tokenizer.eos_token_id, seed=0)
+            rows.append(torch.cat([row[:start], out[0]]))
+        width = max(len(r) for r in rows)
+        return torch.stack([torch.cat([r, r.new_full((width - len(r),), pad)]) for r in rows])
+
+
+def lm_eval(
+        checkpoint: str | None = None,
+        hf_folder: str | None = None,
+        tasks: list[str] | None = None,
+        num_fewshot: int | None = None,
+        batch_size: int = 8,
+        limit: float | None = None,
+        device: str = "cpu",
+        include_path: str | None = None,
+        output: str | None = None,
+) -> dict:
+    """Evaluates a MoH language model with lm-evaluation-harness and prints the harness's table.
+
+    Args:
+        checkpoint: A ``moh fit`` LanguageModel ``.ckpt`` (evaluated as lm-eval model type ``moh``).
+        hf_folder: Or a folder from ``moh convert-llama`` / ``moh export-hf`` (lm-eval's ``hf`` model).
+        tasks: lm-eval task names; the paper's benchmarks when None.
+        num_fewshot: Few-shot examples per task; each task's default when None.
+        batch_size: Requests per forward pass.
+        limit: Documents per task (a count, or a fraction when below 1); all when None.
+        device: ``cpu`` or ``cuda``.
+        include_path: Folder of extra task YAMLs (local tasks, e.g. over a JSON dataset).
+        output: JSON file for the results.
+    """
+    import lm_eval as harness
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    if (checkpoint is None) == (hf_folder is None):
+        raise ValueError("give exactly one of --checkpoint (a .ckpt) or --hf_folder (an exported folder).")
+    if hf_folder is not None and not Path(hf_folder, "config.json").is_file():
+        raise FileNotFoundError(f"--hf_folder {hf_folder}: no config.json; export one with `moh export-hf`.")
+    if checkpoint is not None:
+        model, model_args = "moh", {"checkpoint": checkpoint}
+    else:
+        model, model_args = "hf", {"pretrained": hf_folder, "trust_remote_code": True}
+    results = harness.simple_evaluate(
+        model=model, model_args=model_args, tasks=tasks or PAPER_TASKS, num_fewshot=num_fewshot,
+        batch_size=batch_size, limit=limit, device=device,
+        task_manager=TaskManager(include_path=include_path) if include_path else None,
+    )
+    print(make_table(results))
+    summary = {"results": results["results"], "config": {"model": model, "device": device, **model_args}}
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+__all__ = ["MoHLM", "PAPER_TASKS", "lm_eval"]
