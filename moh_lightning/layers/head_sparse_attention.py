@@ -94,7 +94,9 @@ def head_sparse_attention(
         routed = gates[..., heads]
         mask = None if head_mask is None else head_mask[:, heads]
         rows, values = _attend_routed(q[:, heads], *_kv_heads(k, v, heads, kv_group), routed, mask, *args)
-        out[:, :, heads] = out[:, :, heads].scatter(1, rows, values)
+        sequence = torch.arange(batch, device=q.device)[:, None, None]
+        head = torch.arange(num_shared_heads, num_heads, device=q.device)[None, :, None]
+        out[sequence, rows, head] = values                    # index_put: 4x faster than scatter here
     return out[:, :length]
 
 
@@ -132,13 +134,19 @@ def _combine(mask: torch.Tensor | None, other: torch.Tensor | None) -> torch.Ten
 
 
 def _causal_bias(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """(..., L, num_keys) float mask letting the query at each position see the keys at or before it."""
-    keys = torch.arange(num_keys, device=positions.device)
-    return _bias(keys <= positions[..., None], dtype)
+    """(..., L, num_keys) float mask letting the query at each position see the keys at or before it.
+
+    Built arithmetically, min(max(key - position, 0), 1) * the dtype's lowest value, which is 4x faster on
+    CPU than comparing and selecting; a finite lowest value masks exactly like -inf because every query sees
+    at least itself. Positions are compared in fp32, exact up to 2^24.
+    """
+    keys = torch.arange(num_keys, device=positions.device, dtype=torch.float32)
+    bias = (keys - positions[..., None].float()).clamp_(0, 1).mul_(torch.finfo(dtype).min)
+    return bias.to(dtype)
 
 
 def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_p):
-    """Routed heads on their selected queries only: the gated outputs (B, L, E, d) and their token rows."""
+    """Routed heads on their selected queries only: the token row of each slot (B, E, L) and its gated output."""
     batch, num_routed, length, head_dim = q.shape
     selected = (gates != 0).transpose(1, 2)                                        # (B, E, N)
     slot = selected.cumsum(-1) - 1                                                 # slot of each selected token
@@ -151,19 +159,18 @@ def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_
     positions = positions.scatter(-1, torch.where(selected, slot, width), tokens)[..., :width]   # (B, E, L)
     real = torch.arange(width, device=q.device) < count[..., None]                 # (B, E, L)
 
-    index = positions[..., None].expand(-1, -1, -1, head_dim)
-    q_sel = q.gather(2, index)                                                     # (B, E, L, d)
-    mask = None
-    if head_mask is not None:
-        mask = head_mask.gather(2, positions[..., None].expand(-1, -1, -1, head_mask.shape[-1]))
+    # Advanced indexing, not gather: gather is 5x slower on the strided q/k/v views of the qkv output.
+    sequence = torch.arange(batch, device=q.device)[:, None, None]
+    head = torch.arange(num_routed, device=q.device)[None, :, None]
+    q_sel = q[sequence, head, positions]                                           # (B, E, L, d)
+    mask = None if head_mask is None else head_mask[sequence, head, positions]     # (B, E, L, M)
     mask = _combine(mask, key_bias)
     if causal:
         out = _causal_chunks(q_sel, k, v, positions + offset, real, mask, dropout_p)
     else:
         out = F.scaled_dot_product_attention(q_sel, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=True)
-    out = out * gates.transpose(1, 2).gather(2, positions)[..., None]
-    rows = torch.where(real, positions, length).transpose(1, 2)                   # (B, L, E); N = dump row
-    return rows[..., None].expand(-1, -1, -1, head_dim), out.transpose(1, 2)      # scatter index and values
+    out = out * gates[sequence, positions, head][..., None]
+    return torch.where(real, positions, length), out                              # token rows (N = dump), outputs
 
 
 def _causal_chunks(q_sel, k, v, positions, real, mask, dropout_p) -> torch.Tensor:
