@@ -72,17 +72,24 @@ def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.
 
     ``probs`` (T, E) are the routed-head softmax scores, ``selected`` (T, E) the top-k indicator and
     ``valid`` (T,) marks real (non-padding) tokens. f_i is the fraction of tokens selecting head i (it sums
-    to k over heads), P_i the mean score; balanced routing has f_i = k / E and P_i = 1 / E.
+    to k over heads), P_i the mean score; balanced routing has f_i = k / E and P_i = 1 / E. Under
+    torch.distributed with several processes, f_i counts the tokens of every rank while P_i stays local.
     """
     num_routed = probs.shape[-1]
-    if valid is not None:
-        weight = valid.to(probs.dtype)[:, None]
-        count = weight.sum().clamp_min(1.0)
-        fraction = (selected.to(probs.dtype) * weight).sum(0) / count
-        mean_prob = (probs * weight).sum(0) / count
-    else:
-        fraction = selected.to(probs.dtype).mean(0)
-        mean_prob = probs.mean(0)
+    weight = probs.new_ones(probs.shape[0], 1) if valid is None else valid.to(probs.dtype)[:, None]
+    # Counts in float32: in bf16 a sum over more than 256 tokens would round.
+    counts = torch.cat([(selected.float() * weight.float()).sum(0), weight.float().sum()[None]])  # (E + 1,)
+    local_tokens = counts[-1].clamp_min(1.0).to(probs.dtype)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        # f_i from global counts (no gradient flows through them) and P_i local: DDP averages the ranks'
+        # gradients, and the mean over ranks of the per-rank losses is the 1-process loss over all ranks'
+        # tokens when every rank holds the same number of tokens (the mean of the local P_i is then the
+        # global P_i). Every rank reaches this call in the same order, as DDP's own all-reduces do.
+        counts = counts.detach().clone()
+        torch.distributed.all_reduce(counts)
+    fraction = (counts[:-1] / counts[-1].clamp_min(1.0)).to(probs.dtype)
+    mean_prob = (probs * weight).sum(0) / local_tokens
     return (fraction * mean_prob).sum() * (num_routed / top_k)
 
 
