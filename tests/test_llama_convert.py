@@ -1,0 +1,138 @@
+"""transformers LLaMA -> MoH-LLaMA (query-norm router) -> transformers folder, on tiny random LLaMAs."""
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+from moh_lightning.cli import main as moh
+from moh_lightning.layers.moh_attention import QueryNormRouter, activated_head_fraction, pop_load_balance_loss
+from moh_lightning.models.convert_llama import export_hf, from_hf, llm_config_from_hf
+from moh_lightning.models.llama import MoHLlama
+from moh_lightning.tasks.language_model import LanguageModel
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def llama_folder(request, tmp_path_factory):
+    """A tiny random LlamaForCausalLM with grouped-query attention, saved like a hub checkpoint."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                         tie_word_embeddings=request.param)
+    model = LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(folder)
+    ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
+    return folder
+
+
+def _logits(model, idx):
+    with torch.no_grad():
+        out = model(idx)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def test_all_heads_active_reproduces_llama_logits(llama_folder):
+    original = LlamaForCausalLM.from_pretrained(llama_folder).eval()
+    converted = from_hf(str(llama_folder), num_shared_heads=4, top_k=4)
+    assert isinstance(converted.blocks[0].attn.router, QueryNormRouter)
+    assert activated_head_fraction(converted) == 1.0
+    idx = torch.randint(3, 259, (2, 24))
+    torch.testing.assert_close(_logits(converted, idx), _logits(original, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_default_split_is_half_shared_at_75_percent(llama_folder):
+    config = llm_config_from_hf(LlamaForCausalLM.from_pretrained(llama_folder).config)
+    assert (config.num_shared_heads, config.top_k, config.activated_fraction) == (4, 2, 0.75)
+    assert config.router == "query_norm" and config.n_kv_head == 2 and config.rope_base == 5000.0
+
+
+def test_75_percent_routes_trains_and_balances(llama_folder):
+    model = from_hf(str(llama_folder)).train()
+    idx = torch.randint(3, 259, (2, 16))
+    original = _logits(LlamaForCausalLM.from_pretrained(llama_folder).eval(), idx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        logits = model(idx[:, :-1])
+        gates = model.blocks[0].attn.last_gates
+        assert torch.equal((gates > 0).sum(-1), torch.full((2, 15), 6))  # 4 shared + top-2 of 4 routed
+        assert set(gates.unique().tolist()) <= {0.0, 1.0}  # quantised gates (Eq. 9)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+        balance = pop_load_balance_loss(model)
+        assert balance is not None and balance > 0
+        (loss + 0.01 * balance).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert not torch.allclose(_logits(model.eval(), idx), original)
+
+
+def test_query_norm_router_gets_straight_through_gradient(llama_folder):
+    """Eq. 10: the selection's gradient reaches the query projection through the routing scores."""
+    model = from_hf(str(llama_folder)).train()
+    idx = torch.randint(3, 259, (1, 12))
+    attn = model.blocks[0].attn
+    model(idx).sum().backward()
+    with_router = attn.qkv.weight.grad[:attn.attn_dim].clone()
+    model.zero_grad()
+    attn.router = None  # same weights without the gates' gradient path: a different query gradient
+    model(idx).sum().backward()
+    assert not torch.allclose(with_router, attn.qkv.weight.grad[:attn.attn_dim])
+
+
+def test_export_round_trip_through_transformers(llama_folder, tmp_path):
+    model = from_hf(str(llama_folder))
+    export_hf(model, tmp_path / "moh", ByT5Tokenizer(extra_ids=0))
+    config = json.loads((tmp_path / "moh" / "config.json").read_text())
+    assert config["model_type"] == "moh_llama" and "AutoModelForCausalLM" in config["auto_map"]
+    assert (tmp_path / "moh" / "hf_moh_llama.py").is_file() and (tmp_path / "moh" / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moh", trust_remote_code=True).eval()
+    idx = torch.randint(3, 259, (2, 20))
+    torch.testing.assert_close(_logits(loaded, idx), _logits(model, idx), atol=1e-5, rtol=1e-5)
+    prompt = idx[:1, :6]
+    hf_greedy = loaded.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(hf_greedy, model.generate(prompt, 8, temperature=0))  # HF cache vs our KV cache
+
+
+def test_dense_export_is_plain_llama(llama_folder, tmp_path):
+    model = from_hf(str(llama_folder), num_shared_heads=4, top_k=4, dense=True)
+    export_hf(model, tmp_path / "dense")
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    original = LlamaForCausalLM.from_pretrained(llama_folder).eval()
+    idx = torch.randint(3, 259, (1, 10))
+    torch.testing.assert_close(_logits(loaded, idx), _logits(original, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_convert_tool_and_continue_tuning_init(llama_folder, tmp_path):
+    moh(["convert-llama", "--source", str(llama_folder), "--out", str(tmp_path / "out"), "--dtype", "float32"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert loaded.config.moh_num_shared_heads == 4 and loaded.config.moh_top_k == 2
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+
+    hf = LlamaForCausalLM.from_pretrained(llama_folder)
+    task = LanguageModel(llm_config_from_hf(hf.config), init_from_hf=str(llama_folder))
+    assert not torch.equal(task.model.embed.weight, hf.model.embed_tokens.weight)
+    task.trainer = L.Trainer(logger=False)
+    task.setup("fit")  # the continue-tuning config loads the pretrained weights here
+    torch.testing.assert_close(task.model.blocks[1].mlp.down_proj.weight, hf.model.layers[1].mlp.down_proj.weight)
+
+
+def test_conversion_errors_are_clear(tmp_path):
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope_type"):
+        llm_config_from_hf(config)
+    with pytest.raises(OSError, match="LLaMA checkpoint"):
+        from_hf(str(tmp_path / "nothing"))
+    learned = MoHLlama(llm_config_from_hf(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=4)))
+    learned.config.router = "learned"
+    with pytest.raises(ValueError, match="query_norm"):
+        export_hf(learned, tmp_path / "x")
