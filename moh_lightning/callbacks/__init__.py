@@ -1,4 +1,5 @@
 """Cross-cutting concerns of every task, as Lightning callbacks."""
 from moh_lightning.callbacks.head_load import HeadLoadCallback
+from moh_lightning.callbacks.reliability import StepCheckpoint
 
-__all__ = ["HeadLoadCallback"]
+__all__ = ["HeadLoadCallback", "StepCheckpoint"]
