@@ -108,9 +108,11 @@ def test_query_norm_router_sparse_at_inference_dense_in_training():
 
 
 def test_auto_chooses_from_shapes():
-    assert not use_head_sparse("auto", 197, 197, 0.5, decoding=False)
+    assert not use_head_sparse("auto", 197, 197, 0.5, decoding=False)       # ViT-S: attention is cheap
     assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
+    assert not use_head_sparse("auto", 1024, 1024, 7 / 8, decoding=False)   # one skipped head of 8
     assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True)
+    assert not use_head_sparse("auto", 1, 128, 0.5, decoding=True)
     assert not use_head_sparse("auto", 4096, 4096, 1.0, decoding=False)
     assert use_head_sparse("sparse", 8, 8, 1.0, decoding=False)
     assert not use_head_sparse("dense", 4096, 4096, 0.5, decoding=False)
@@ -119,7 +121,11 @@ def test_auto_chooses_from_shapes():
 def test_bench_quick_writes_report(tmp_path):
     from moh_lightning.bench import bench
 
-    report = bench(quick=True, output=str(tmp_path / "bench.md"))
+    threads = torch.get_num_threads()
+    try:
+        report = bench(quick=True, output=str(tmp_path / "bench.md"), threads=1)
+    finally:
+        torch.set_num_threads(threads)
     text = report.read_text()
-    assert "| bidirectional" in text and "decode" in text
+    assert "| bidirectional" in text and "## KV-cache decoding" in text and "## Targets" in text
     assert (tmp_path / "bench.png").is_file()
