@@ -62,6 +62,9 @@ class MoHLM(HFLM):
         if name is None:
             raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
         self.net = task.model.to(device).eval()
+        # Training sequences are documents joined by EOS with no BOS (data.text), so neither is added here;
+        # the byte tokenizer would otherwise append EOS to every context and continuation.
+        kwargs.setdefault("add_bos_token", False)
         super().__init__(pretrained=_HarnessView(self.net), tokenizer=load_tokenizer(name), backend="causal",
                          batch_size=batch_size, max_length=max_length or self.net.config.block_size, **kwargs)
 
@@ -98,6 +101,8 @@ def lm_eval(
         limit: float | None = None,
         device: str = "cpu",
         include_path: str | None = None,
+        include_defaults: bool = True,
+        add_bos_token: bool | None = None,
         output: str | None = None,
 ) -> dict:
     """Evaluates a MoH language model with lm-evaluation-harness and prints the harness's table.
@@ -111,6 +116,9 @@ def lm_eval(
         limit: Documents per task (a count, or a fraction when below 1); all when None.
         device: ``cpu`` or ``cuda``.
         include_path: Folder of extra task YAMLs (local tasks, e.g. over a JSON dataset).
+        include_defaults: Also index lm-eval's built-in tasks (False: only ``include_path``, much faster).
+        add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA); the tokenizer's
+            default for ``--hf_folder``, False for ``--checkpoint`` (our training data has no BOS).
         output: JSON file for the results.
     """
     import lm_eval as harness
@@ -125,10 +133,12 @@ def lm_eval(
         model, model_args = "moh", {"checkpoint": checkpoint}
     else:
         model, model_args = "hf", {"pretrained": hf_folder, "trust_remote_code": True}
+    if add_bos_token is not None:
+        model_args["add_bos_token"] = add_bos_token
     results = harness.simple_evaluate(
         model=model, model_args=model_args, tasks=tasks or PAPER_TASKS, num_fewshot=num_fewshot,
         batch_size=batch_size, limit=limit, device=device,
-        task_manager=TaskManager(include_path=include_path) if include_path else None,
+        task_manager=TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path),
     )
     print(make_table(results))
     summary = {"results": results["results"], "config": {"model": model, "device": device, **model_args}}
