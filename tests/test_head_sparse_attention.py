@@ -80,6 +80,15 @@ def test_sparse_skips_unselected_pairs():
     torch.testing.assert_close(again, out)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_routed_head_selected(causal):
+    q, k, v = torch.randn(3, 2, 4, 10, 8).unbind(0)
+    gates = torch.zeros(2, 10, 4)
+    gates[..., 0] = 1.0
+    out = head_sparse_attention(q, k, v, gates, num_shared_heads=1, causal=causal)
+    assert out[..., 1:, :].abs().max() == 0 and out[..., 0, :].abs().max() > 0
+
+
 @pytest.mark.parametrize("num_kv_heads", [8, 4])
 def test_sparse_kv_cache_decode_equals_dense(num_kv_heads):
     dense, sparse = _pair(num_heads=8, num_shared_heads=2, top_k=2, causal=True, num_kv_heads=num_kv_heads)

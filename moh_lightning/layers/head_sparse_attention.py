@@ -96,10 +96,12 @@ def head_sparse_attention(
         heads = slice(num_shared_heads, num_heads)
         routed = gates[..., heads]
         mask = None if head_mask is None else head_mask[:, heads]
-        rows, values = _attend_routed(q[:, heads], *_kv_heads(k, v, heads, kv_group), routed, mask, *args)
-        sequence = torch.arange(batch, device=q.device)[:, None, None]
-        head = torch.arange(num_shared_heads, num_heads, device=q.device)[None, :, None]
-        out[sequence, rows, head] = values                    # index_put: 4x faster than scatter here
+        selected = _attend_routed(q[:, heads], *_kv_heads(k, v, heads, kv_group), routed, mask, *args)
+        if selected is not None:
+            rows, values = selected
+            sequence = torch.arange(batch, device=q.device)[:, None, None]
+            head = torch.arange(num_shared_heads, num_heads, device=q.device)[None, :, None]
+            out[sequence, rows, head] = values                # index_put: 4x faster than scatter here
     return out[:, :length]
 
 
@@ -149,12 +151,15 @@ def _causal_bias(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> 
 
 
 def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_p):
-    """Routed heads on their selected queries only: the token row of each slot (B, E, L) and its gated output."""
+    """Routed heads on their selected queries only: the token row of each slot (B, E, L) and its gated output
+    (None when no token selected any routed head)."""
     batch, num_routed, length, head_dim = q.shape
     selected = (gates != 0).transpose(1, 2)                                        # (B, E, N)
     slot = selected.cumsum(-1) - 1                                                 # slot of each selected token
     count = slot[..., -1] + 1                                                      # (B, E)
     width = int(count.max())
+    if width == 0:
+        return None
     # Queries sorted by position into slots 0..count-1; padding slots take the last position, which is
     # never fully masked, and their outputs go to the dump row N.
     tokens = torch.arange(length, device=q.device).expand_as(slot)
