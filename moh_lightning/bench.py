@@ -403,7 +403,9 @@ def _plot(report: Report, path: Path) -> None:
             if (c, b) != (causal, backward):
                 continue
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=f"MoH {name} (ideal {HEADS / (SHARED + FRACTIONS[name]):.2f}×)")
+            ideal = HEADS / (SHARED + FRACTIONS[name])
+            line, = ax.plot(xs, ys, marker="o", label=f"MoH {name} (ideal {ideal:.2f}×, dashed)")
+            ax.axhline(ideal, color=line.get_color(), ls="--", lw=0.8)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{'causal' if causal else 'bidirectional'} core, {'fwd+bwd' if backward else 'fwd'}")

@@ -4,8 +4,9 @@ The dense MoH formulation runs every head on every token and multiplies the unse
 gate, so it costs a full multi-head layer. Here the shared heads (always on) go through SDPA unchanged, and
 each routed head gathers its selected queries, attends with them against its full keys and values, and
 scatters the gated outputs back. The gathered queries are padded to the largest count over (batch, head) so
-one SDPA call serves every routed head: on CPU this is ~4x faster than a call per head, and nested (jagged)
-tensors and flex_attention measured slower than dense (see ``results/bench_attention.md``).
+one SDPA call serves every routed head. Measured on CPU (N = 1024, batch 4, 6 routed heads, 1/3 selected)
+against this padded call's 38 ms: a call per head 131 ms, nested jagged tensors 1.8 s, flex_attention
+256 ms eager and no faster than dense SDPA compiled (a per-query mask skips no key block).
 
 Causal attention cannot use SDPA's ``is_causal`` on gathered queries (a query's slot is not its position),
 so the slots are cut into chunks, each attending only to the keys up to its last query's position with a
