@@ -1,5 +1,5 @@
 """Cross-cutting concerns of every task, as Lightning callbacks."""
 from moh_lightning.callbacks.head_load import HeadLoadCallback
-from moh_lightning.callbacks.reliability import StepCheckpoint
+from moh_lightning.callbacks.reliability import ExactResumeCallback, StepCheckpoint
 
-__all__ = ["HeadLoadCallback", "StepCheckpoint"]
+__all__ = ["ExactResumeCallback", "HeadLoadCallback", "StepCheckpoint"]

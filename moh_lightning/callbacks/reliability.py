@@ -1,7 +1,13 @@
-"""Callbacks that let a long run survive: periodic resumable checkpoints."""
+"""Callbacks that let a long run survive: periodic resumable checkpoints and an exact mid-epoch resume."""
 from __future__ import annotations
 
-from lightning.pytorch import LightningModule, Trainer
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
@@ -25,3 +31,70 @@ class StepCheckpoint(ModelCheckpoint):
         # after the last multiple of every_n_train_steps.
         if self._last_global_step_saved != trainer.global_step and not trainer.fast_dev_run:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class ExactResumeCallback(Callback):
+    """Makes a resumed fit continue exactly where the checkpoint was written, mid-epoch included.
+
+    Saves every rank's torch, CUDA, numpy and python random states in each checkpoint: timm's RandAugment and
+    Random Erasing draw from python's ``random``, Mixup from numpy, crops and DropPath from torch. On resume,
+    when training starts, it puts the train loader back at its saved position if Lightning has not (see
+    ``on_train_start``), then restores the random states: after the loaders have drawn their seeds and right
+    before the first batch is drawn, the point in the random streams at which the checkpoint was written.
+    Needs a stateful train loader (torchdata's ``StatefulDataLoader``) and as many ranks as when saved.
+    """
+
+    KEY = "rng_states"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._to_restore: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        states = [_rng_states()]
+        if trainer.world_size > 1:
+            states = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, _rng_states())
+        checkpoint[self.KEY] = states
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get(self.KEY)
+        if states is None:
+            return
+        if len(states) != trainer.world_size:
+            raise ValueError(f"The checkpoint holds random states of {len(states)} processes but this run has "
+                             f"{trainer.world_size}: resume with the same number of devices and nodes.")
+        self._to_restore = states[trainer.global_rank]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        fit_loop = trainer.fit_loop
+        # Lightning applies the loaders' saved positions when it first builds the train loader. A task that
+        # reads trainer.estimated_stepping_batches in configure_optimizers builds it before the loop states are
+        # restored, and the positions are dropped: the resumed epoch would restart from its first batch.
+        if fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
+            fit_loop._load_combined_loader_states()
+            for loader in fit_loop._combined_loader.flattened:
+                _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+            iter(fit_loop._data_fetcher)
+        if self._to_restore is not None:
+            _set_rng_states(self._to_restore)
+            self._to_restore = None
+
+
+def _rng_states() -> dict[str, Any]:
+    # numpy's key array as a list: Lightning loads checkpoints with weights_only=True, which refuses numpy arrays.
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    states = {"torch": torch.get_rng_state(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
+              "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    name, keys, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, gauss))
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

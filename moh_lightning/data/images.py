@@ -13,6 +13,7 @@ from lightning.pytorch import LightningDataModule
 from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.datasets import ImageFolder
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
@@ -68,10 +69,11 @@ class ImageFolderDataModule(LightningDataModule):
     def num_classes(self) -> int:
         return sum(1 for entry in self._split_dir("train").iterdir() if entry.is_dir())
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers, pin_memory=True,
-                          persistent_workers=self.hparams.num_workers > 0)
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run continues mid-epoch.
+        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                                  num_workers=self.hparams.num_workers, pin_memory=True,
+                                  persistent_workers=self.hparams.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
@@ -150,9 +152,11 @@ class MNISTDataModule(LightningDataModule):
         self.train_set = ArrayImageDataset(*splits["train"], transform=train_tf)
         self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run continues mid-epoch.
+        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                                  num_workers=self.hparams.num_workers,
+                                  persistent_workers=self.hparams.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers,
