@@ -1,17 +1,26 @@
 """Runs that survive: crash-safe checkpoints, resume from `last`, exact mid-epoch resume, bad input, NaN, collapse."""
+import csv
+import io
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader, TensorDataset
 
-from moh_lightning import checkpoint_io
+from moh_lightning import MoHAttention, checkpoint_io
+from moh_lightning.callbacks import FiniteLossGuard, HeadLoadCallback, StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
-from moh_lightning.cli import MoHLightningCLI, resolve_config
+from moh_lightning.cli import MoHLightningCLI, main, resolve_config
+from moh_lightning.data.images import ImageFolderDataModule
 
 # Small, fast runs of the embedded config (2 layers, 16 images a batch, no validation) with every random
 # augmentation on, whatever the config's defaults: RandAugment and Random Erasing (python `random`), crops and
@@ -135,3 +144,118 @@ def test_run_killed_mid_epoch_resumes_from_last_to_the_same_weights_and_losses(r
         assert torch.equal(actual[name], value), name
     losses, resumed_losses = _logged(run_dir / "uninterrupted"), _logged(run_dir / "resumed")
     assert len(losses) == 7 and resumed_losses == losses
+
+
+def _image_folder(root, corrupt: dict[str, bytes]):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for label in ("cat", "dog"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    for name, content in corrupt.items():
+        (root / "train" / "cat" / name).write_bytes(content)
+
+
+def _truncated_png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((20, 20, 3), 7, dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()[:60]
+
+
+def test_corrupt_image_stops_the_run_naming_the_file_even_from_a_worker(tmp_path):
+    _image_folder(tmp_path, {"broken.png": b"not an image"})
+    data = ImageFolderDataModule(str(tmp_path), img_size=16, batch_size=1, num_workers=1)
+    data.setup("fit")
+    with pytest.raises(RuntimeError, match=r"broken\.png.*on_corrupt skip"):
+        list(data.train_dataloader())
+
+
+def test_corrupt_images_are_skipped_counted_and_named_with_on_corrupt_skip(tmp_path, caplog):
+    _image_folder(tmp_path, {"broken.png": b"not an image", "truncated.png": _truncated_png()})
+    data = ImageFolderDataModule(str(tmp_path), img_size=16, batch_size=4, num_workers=0, on_corrupt="skip")
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    assert len(batches) == 2 and all(images.shape == (4, 3, 16, 16) for images, _ in batches)
+    assert sorted(Path(p).name for p in data.train_set.skipped) == ["broken.png", "truncated.png"]
+    assert "broken.png" in caplog.text and "truncated.png" in caplog.text
+    with pytest.raises(ValueError, match="on_corrupt='ignore'"):
+        ImageFolderDataModule(str(tmp_path), on_corrupt="ignore")
+
+
+class Regression(LightningModule):
+    """A linear regression whose loss turns NaN at step ``nan_at``."""
+
+    def __init__(self, nan_at: int) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch[0]).pow(2).mean()
+        return loss * float("nan") if self.global_step == self.nan_at else loss
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    model = Regression(nan_at=5)
+    trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      plugins=[AtomicCheckpointIO()],
+                      callbacks=[FiniteLossGuard(), StepCheckpoint(str(tmp_path), every_n_train_steps=2)])
+    with pytest.raises(FloatingPointError, match=r"Training loss is nan at step 5 \(epoch 0, batch 5\)"):
+        trainer.fit(model)
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 4
+    assert all(torch.isfinite(value).all() for value in last["state_dict"].values())
+    assert all(torch.isfinite(value).all() for value in model.state_dict().values())
+
+
+class StarvedHeads(LightningModule):
+    """One MoH layer whose router always picks routed head 1 of 1-3 (positive inputs, fixed router, lr 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = MoHAttention(8, num_heads=4, num_shared_heads=1, top_k=1)
+        with torch.no_grad():
+            self.attn.router.routed_router.weight.copy_(torch.tensor([1.0, 0.5, -1.0])[:, None].expand(3, 8))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self.attn(batch[0]).pow(2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.rand(16, 5, 8) + 0.1), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_routing_collapse_warns_naming_layer_and_heads_and_logs_a_scalar(tmp_path, caplog):
+    trainer = Trainer(max_steps=4, log_every_n_steps=1, logger=CSVLogger(tmp_path, name="", version=""),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[HeadLoadCallback(collapse_windows=3)])
+    trainer.fit(StarvedHeads())
+    with open(tmp_path / "metrics.csv") as file:
+        collapsed = [float(row["head_load/layer_00/collapsed_heads"]) for row in csv.DictReader(file)
+                     if row.get("head_load/layer_00/collapsed_heads")]
+    assert collapsed == [0, 0, 2, 2]
+    warnings = [r.getMessage() for r in caplog.records if "Routing collapse" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "layer 0 at step 3" in warnings[0] and "2 (0.00%), 3 (0.00%)" in warnings[0]
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_mistyped_config_key_fails_naming_the_key(where, run_dir, capsys):
+    if where == "command line":
+        args = ["--model.init_args.vit.top_kk=3"]
+    else:
+        (run_dir / "typo.yaml").write_text("model:\n  init_args:\n    learning_rate: 0.1\n")
+        args = ["--config", "typo.yaml"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "vit_tiny_mnist_75.yaml", *args])
+    assert ("top_kk" if where == "command line" else "learning_rate") in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Cross-cutting concerns of every task, as Lightning callbacks."""
 from moh_lightning.callbacks.head_load import HeadLoadCallback
-from moh_lightning.callbacks.reliability import ExactResumeCallback, StepCheckpoint
+from moh_lightning.callbacks.reliability import ExactResumeCallback, FiniteLossGuard, StepCheckpoint
 
-__all__ = ["ExactResumeCallback", "HeadLoadCallback", "StepCheckpoint"]
+__all__ = ["ExactResumeCallback", "FiniteLossGuard", "HeadLoadCallback", "StepCheckpoint"]

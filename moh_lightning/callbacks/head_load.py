@@ -8,6 +8,7 @@ saved as ``head_load/epoch_XXX.png`` in the run folder. Works with any task whos
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib.figure import Figure
 
 from moh_lightning.layers.moh_attention import MoHAttention, moh_layers
+
+log = logging.getLogger(__name__)
 
 
 def head_load_statistics(load: torch.Tensor, low_load: float) -> dict[str, float]:
@@ -41,17 +44,23 @@ class HeadLoadCallback(Callback):
             ``log_every_n_steps`` when None.
         low_load: A head used by fewer than this fraction of tokens counts as starved (default 1%).
         max_plot_classes: Classes drawn in the per-class figure (the first ones by id).
+        collapse_windows: A routed head starved for this many logging windows in a row counts as collapsed: a
+            warning names it, and ``head_load/layer_XX/collapsed_heads`` counts the layer's collapsed heads.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, low_load: float = 0.01,
-                 max_plot_classes: int = 10) -> None:
+                 max_plot_classes: int = 10, collapse_windows: int = 5) -> None:
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"HeadLoadCallback log_every_n_steps={log_every_n_steps} must be at least 1.")
+        if collapse_windows < 1:
+            raise ValueError(f"HeadLoadCallback collapse_windows={collapse_windows} must be at least 1.")
         self.log_every_n_steps = log_every_n_steps
         self.low_load = low_load
         self.max_plot_classes = max_plot_classes
+        self.collapse_windows = collapse_windows
         self._layers: list[MoHAttention] = []
+        self._starved_windows: dict[int, torch.Tensor] = {}  # layer -> (routed heads,) consecutive starved windows
         self._reset_window()
         self._class_counts: torch.Tensor | None = None  # (classes, h) routed loads of the last layer
         self._class_tokens: torch.Tensor | None = None  # (classes,)
@@ -104,6 +113,8 @@ class HeadLoadCallback(Callback):
             if routed_load.numel():
                 for key, value in head_load_statistics(routed_load, self.low_load).items():
                     metrics[f"head_load/layer_{index:02d}/{key}"] = value
+                metrics[f"head_load/layer_{index:02d}/collapsed_heads"] = self._track_collapse(
+                    trainer, index, routed_load, shared)
             if trainer.is_global_zero:
                 _log_per_head(trainer, f"head_load/layer_{index:02d}/load", load, step)
                 _log_per_head(trainer, f"head_load/layer_{index:02d}/mean_gate", mean_gate, step)
@@ -111,6 +122,20 @@ class HeadLoadCallback(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         self._reset_window()
+
+    def _track_collapse(self, trainer: Trainer, index: int, routed_load: torch.Tensor, shared: int) -> int:
+        """Counts consecutive starved windows per routed head; warns once when a head reaches ``collapse_windows``."""
+        previous = self._starved_windows.get(index, torch.zeros_like(routed_load, dtype=torch.long))
+        starved = torch.where(routed_load < self.low_load, previous + 1, 0)
+        self._starved_windows[index] = starved
+        newly = (starved == self.collapse_windows).nonzero().flatten()
+        if len(newly) and trainer.is_global_zero:
+            heads = ", ".join(f"{shared + h} ({routed_load[h].item():.2%})" for h in newly.tolist())
+            log.warning("Routing collapse in MoH layer %d at step %d: routed head(s) %s served under %.0f%% of tokens "
+                        "for %d logging windows in a row. Raise model.init_args.load_balance_beta or lower the "
+                        "learning rate.", index, trainer.global_step, heads, 100 * self.low_load,
+                        self.collapse_windows)
+        return int((starved >= self.collapse_windows).sum().item())
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._class_counts = self._class_tokens = None

@@ -1,4 +1,4 @@
-"""Callbacks that let a long run survive: periodic resumable checkpoints and an exact mid-epoch resume."""
+"""Callbacks that let a long run survive: resumable checkpoints, an exact mid-epoch resume, a stop on NaN loss."""
 from __future__ import annotations
 
 import random
@@ -98,3 +98,22 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class FiniteLossGuard(Callback):
+    """Stops training with an error naming the step when the training loss is NaN or infinite.
+
+    Checked before the backward pass, so neither the weights in memory nor any checkpoint written afterwards
+    holds the bad update: the newest checkpoint on disk is the last good one. All ranks take the same decision,
+    so a non-finite loss on one rank stops every rank rather than leaving them waiting in an all-reduce.
+    """
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if trainer.strategy.reduce_boolean_decision(finite, all=True):
+            return
+        value = "non-finite on another rank" if finite else loss.detach().float().item()
+        raise FloatingPointError(
+            f"Training loss is {value} at step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
+            f"{trainer.fit_loop.epoch_loop.batch_idx}); the run stops and its newest checkpoint is the last good "
+            f"one. Resume from it with a lower learning rate or stronger gradient clipping, or check the data.")

@@ -5,7 +5,9 @@ split once with a fixed seed into train and validation.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -19,13 +21,47 @@ from torchvision.datasets import ImageFolder
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+CorruptPolicy = Literal["skip", "error"]
+log = logging.getLogger(__name__)
+
+
+class CheckedImageFolder(ImageFolder):
+    """``ImageFolder`` whose unreadable or corrupt files stop the run with the file's name, or are skipped.
+
+    With ``on_corrupt="skip"`` a bad file is replaced by the next readable one, so batches keep their size and
+    the order stays deterministic; each skipped file is logged once by name and counted in ``skipped`` (per
+    process: every data-loader worker counts and logs the files it met).
+    """
+
+    def __init__(self, root: str | Path, transform=None, on_corrupt: CorruptPolicy = "error") -> None:
+        super().__init__(root, transform=transform)
+        self.on_corrupt = on_corrupt
+        self.skipped: set[str] = set()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        for offset in range(len(self.samples)):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = self.loader(path)
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+                if self.on_corrupt == "error":
+                    raise RuntimeError(f"Unreadable image {path} ({error}): delete or replace it, or set "
+                                       f"--data.init_args.on_corrupt skip to leave such files out.") from error
+                if path not in self.skipped:
+                    self.skipped.add(path)
+                    log.warning("Skipped unreadable image %s (%s); %d skipped so far in this process.", path,
+                                error, len(self.skipped))
+                continue
+            return (self.transform(image) if self.transform else image), target
+        raise RuntimeError(f"No readable image under {self.root}: every file failed to load.")
 
 
 class ImageFolderDataModule(LightningDataModule):
     """ImageNet's layout: ``data_dir/train/<class>/*.jpg`` and ``data_dir/val/<class>/*.jpg``.
 
     Training images get timm's recipe transform (random-resized crop, flip, RandAugment, Random Erasing);
-    validation images are resized by ``1 / crop_pct`` and centre-cropped.
+    validation images are resized by ``1 / crop_pct`` and centre-cropped. An unreadable image file stops the run
+    with its name (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``).
     """
 
     def __init__(
@@ -38,12 +74,15 @@ class ImageFolderDataModule(LightningDataModule):
             re_prob: float = 0.25,
             crop_pct: float = 0.875,
             interpolation: str = "bicubic",
+            on_corrupt: CorruptPolicy = "error",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
-        self.train_set: ImageFolder | None = None
-        self.val_set: ImageFolder | None = None
+        if on_corrupt not in ("skip", "error"):
+            raise ValueError(f"data.init_args.on_corrupt={on_corrupt!r}: choose 'skip' or 'error'.")
+        self.train_set: CheckedImageFolder | None = None
+        self.val_set: CheckedImageFolder | None = None
 
     def _split_dir(self, split: str) -> Path:
         path = self.data_dir / split
@@ -62,8 +101,8 @@ class ImageFolderDataModule(LightningDataModule):
         val_tf = create_transform(hp.img_size, is_training=False, crop_pct=hp.crop_pct,
                                   interpolation=hp.interpolation, mean=IMAGENET_MEAN, std=IMAGENET_STD)
         if stage in (None, "fit"):
-            self.train_set = ImageFolder(self._split_dir("train"), transform=train_tf)
-        self.val_set = ImageFolder(self._split_dir("val"), transform=val_tf)
+            self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt)
+        self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt)
 
     @property
     def num_classes(self) -> int:
