@@ -289,11 +289,11 @@ DIT_CONFIGS: dict[str, dict[str, Any]] = {
     "MoH-DiT-XL/2-75": dict(depth=28, hidden_size=1152, patch_size=2, head_dim=72,
                             num_heads=_repeat((8, 9), (16, 10), (24, 9)),
                             num_shared_heads=_repeat((8, 9), (10, 10), (14, 9)), top_k=_repeat((0, 9), (2, 19))),
-    "DiT-T/4": dict(depth=6, hidden_size=96, patch_size=4, num_heads=6),
-    "MoH-DiT-T/4-90": dict(depth=6, hidden_size=96, patch_size=4, num_heads=6,
-                           num_shared_heads=_repeat((3, 4), (6, 2)), top_k=_repeat((2, 4), (0, 2))),
-    "MoH-DiT-T/4-75": dict(depth=6, hidden_size=96, patch_size=4, num_heads=6,
-                           num_shared_heads=[2, 3, 3, 3, 3, 6], top_k=[1, 1, 1, 2, 2, 0]),
+    "DiT-T/4": dict(depth=4, hidden_size=128, patch_size=4, num_heads=8),
+    "MoH-DiT-T/4-90": dict(depth=4, hidden_size=128, patch_size=4, num_heads=8,
+                           num_shared_heads=[4, 4, 8, 8], top_k=[2, 3, 0, 0]),
+    "MoH-DiT-T/4-75": dict(depth=4, hidden_size=128, patch_size=4, num_heads=8,
+                           num_shared_heads=[3, 4, 4, 4], top_k=[2, 2, 2, 3]),
 }
 
 
