@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 TOOLS: dict[str, str] = {
     "sample": "moh_lightning.tasks.diffusion:sample",
     "fidelity": "moh_lightning.evaluation.fidelity:fidelity",
+    "digit_quality": "moh_lightning.evaluation.digit_quality:digit_quality",
 }
 
 _CONFIG_FLAGS = ("--config", "-c")
