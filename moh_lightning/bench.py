@@ -301,7 +301,8 @@ def _decode_section(report: Report, caches, fractions, repeats, warmup) -> None:
             label = {"MHA": "MHA", "all heads": "MHA, per-pair decoding of every head"}.get(name, f"MoH {name}")
             layer_cells = ["—", "—"]
             if name in whole:
-                layer_cells = [f"{whole[name]:.3f} ({whole['MHA'] / whole[name]:.2f}×)", f"{BATCH / whole[name] * 1e3:.0f}"]
+                layer_cells = [f"{whole[name]:.3f} ({whole['MHA'] / whole[name]:.2f}×)",
+                               f"{BATCH / whole[name] * 1e3:.0f}"]
             rows.append([length, label, f"{core[name]:.3f} ({core['MHA'] / core[name]:.2f}×)",
                          f"{BATCH / core[name] * 1e3:.0f}", *layer_cells])
             if name in fractions:

@@ -86,18 +86,18 @@ def head_sparse_attention(
     if length == 1 and head_mask is None and dropout_p == 0.0:
         return _decode(q, k, v, gates, kv_group, key_bias)
     args = (causal, offset, key_bias, dropout_p)
+    num_routed = num_heads - num_shared_heads
+    # split, not slicing: backward then concatenates the groups' gradients instead of adding full-size ones.
+    q_groups = q.split([num_shared_heads, num_routed], dim=1)
+    kv_groups = _split_kv(k, v, num_shared_heads, kv_group)
+    mask_groups = (None, None) if head_mask is None else head_mask.split([num_shared_heads, num_routed], dim=1)
     # Row N collects the outputs of the routed heads' padding slots and is cut off at the end.
     out = q.new_zeros(batch, length + 1, num_heads, head_dim)
     if num_shared_heads:
-        heads = slice(0, num_shared_heads)
-        shared = _attend_all(q[:, heads], *_kv_heads(k, v, heads, kv_group),
-                             None if head_mask is None else head_mask[:, heads], *args)   # (B, h_s, N, d)
-        out[:, :length, heads] = shared.transpose(1, 2) * gates[..., heads, None]
-    if num_shared_heads < num_heads:
-        heads = slice(num_shared_heads, num_heads)
-        routed = gates[..., heads]
-        mask = None if head_mask is None else head_mask[:, heads]
-        selected = _attend_routed(q[:, heads], *_kv_heads(k, v, heads, kv_group), routed, mask, *args)
+        shared = _attend_all(q_groups[0], *kv_groups[0], mask_groups[0], *args)           # (B, h_s, N, d)
+        out[:, :length, :num_shared_heads] = shared.transpose(1, 2) * gates[..., :num_shared_heads, None]
+    if num_routed:
+        selected = _attend_routed(q_groups[1], *kv_groups[1], gates[..., num_shared_heads:], mask_groups[1], *args)
         if selected is not None:
             rows, values = selected
             sequence = torch.arange(batch, device=q.device)[:, None, None]
@@ -112,13 +112,18 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, zero - float("inf"))
 
 
-def _kv_heads(k: torch.Tensor, v: torch.Tensor, heads: slice, kv_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kv heads serving query ``heads``, for SDPA's ``enable_gqa``: a view when the groups align."""
-    if heads.start % kv_group == 0 and heads.stop % kv_group == 0:
-        kv_heads = slice(heads.start // kv_group, heads.stop // kv_group)
-        return k[:, kv_heads], v[:, kv_heads]
-    index = torch.arange(heads.start, heads.stop, device=k.device) // kv_group
-    return k.index_select(1, index), v.index_select(1, index)
+def _split_kv(k: torch.Tensor, v: torch.Tensor, num_shared_heads: int, kv_group: int) -> list[tuple]:
+    """Keys and values serving the shared and the routed query heads, for SDPA's ``enable_gqa``.
+
+    Split views when the groups align with the kv heads, else each query head's kv head copied.
+    """
+    num_heads = k.shape[1] * kv_group
+    if num_shared_heads % kv_group == 0:
+        sizes = [num_shared_heads // kv_group, (num_heads - num_shared_heads) // kv_group]
+        return list(zip(k.split(sizes, dim=1), v.split(sizes, dim=1)))
+    index = torch.arange(num_heads, device=k.device) // kv_group
+    return [(k.index_select(1, part), v.index_select(1, part))
+            for part in index.split([num_shared_heads, num_heads - num_shared_heads])]
 
 
 def _attend_all(q, k, v, head_mask, causal, offset, key_bias, dropout_p) -> torch.Tensor:
