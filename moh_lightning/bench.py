@@ -271,16 +271,22 @@ def _decode_section(report: Report, caches, fractions, repeats, warmup) -> None:
     rows = []
     steps = repeats * 10  # a decoding step is short: time more of them
     for length in caches:
-        k_cache, v_cache = (torch.randn(BATCH, HEADS, length + 1, HEAD_DIM) for _ in range(2))
-        k, v = k_cache[:, :, :length], v_cache[:, :, :length]
         q = torch.randn(BATCH, HEADS, 1, HEAD_DIM)
-        fns = {"MHA": lambda: F.scaled_dot_product_attention(q, k, v)}
-        # Every head through the sparse path's per-pair decoding: separates its kernel from the skipped heads.
-        every_head = torch.ones(BATCH, 1, HEADS)
-        fns["all heads"] = lambda: head_sparse_attention(q, k, v, every_head, HEADS, causal=True, offset=length - 1)
-        for name, top_k in fractions.items():
-            gates = _gates(1, top_k, seed=length)
-            fns[name] = lambda g=gates: head_sparse_attention(q, k, v, g, SHARED, causal=True, offset=length - 1)
+        gates = {"MHA": None, "all heads": torch.ones(BATCH, 1, HEADS)}
+        gates.update({name: _gates(1, top_k, seed=length) for name, top_k in fractions.items()})
+        fns = {}
+        for name, g in gates.items():
+            # Each variant reads its own cache, as a decoder's layers do: one variant's reads must not leave
+            # the next one's cache rows in the CPU's last-level cache.
+            k, v = (torch.randn(BATCH, HEADS, length + 1, HEAD_DIM)[:, :, :length] for _ in range(2))
+            if g is None:
+                fns[name] = lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v)
+            else:
+                # "all heads": every head through the per-pair decoding, which separates its kernel from the
+                # skipped heads.
+                shared = HEADS if name == "all heads" else SHARED
+                fns[name] = lambda k=k, v=v, g=g, shared=shared: head_sparse_attention(
+                    q, k, v, g, shared, causal=True, offset=length - 1)
         with torch.no_grad():
             core = _median_ms(fns, steps, warmup)
         x = torch.randn(BATCH, 1, HEADS * HEAD_DIM)
