@@ -68,6 +68,47 @@ def test_sparse_equals_dense_forward_backward(case):
     assert any("router" in name for name in grads_d)
 
 
+def _reference(q, k, v, gates, causal, offset, key_padding_mask):
+    """The dense-and-mask formulation: SDPA over every head with an explicit mask, times the gates."""
+    length, num_keys = q.shape[2], k.shape[2]
+    allowed = torch.ones(q.shape[0], 1, length, num_keys, dtype=torch.bool)
+    if causal:
+        allowed &= torch.arange(num_keys) <= torch.arange(length)[:, None] + offset
+    if key_padding_mask is not None:
+        allowed &= key_padding_mask[:, None, None, :num_keys]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return out.transpose(1, 2) * gates[..., None]
+
+
+@pytest.mark.parametrize("length, num_keys, num_kv_heads, causal, padded", [
+    (70, 70, 8, False, False), (70, 70, 8, True, False), (70, 70, 4, True, True), (150, 150, 2, False, True),
+    (1, 40, 8, True, False), (5, 40, 4, True, True), (1, 40, 8, False, False),
+])
+def test_core_equals_dense_and_mask(length, num_keys, num_kv_heads, causal, padded):
+    """Query i at position num_keys - length + i (a KV cache before it); gradients of q, k, v and every gate
+    that is on (skipped gates get none: the router's derivative there is zero)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, length, 16, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, num_kv_heads, num_keys, 16, generator=generator, requires_grad=True) for _ in range(2))
+    top = torch.randn(2, length, 6, generator=generator).topk(3, dim=-1).indices
+    on = torch.cat([torch.ones(2, length, 2), torch.zeros(2, length, 6).scatter(-1, top, 1.0)], dim=-1)
+    gates = (on * (torch.rand(2, length, 8, generator=generator) + 0.5)).requires_grad_()
+    padding = None
+    if padded:
+        padding = torch.ones(2, num_keys, dtype=torch.bool)
+        padding[0, -3:] = False
+    offset = num_keys - length
+    out = head_sparse_attention(q, k, v, gates, 2, causal=causal, offset=offset, key_padding_mask=padding)
+    ref = _reference(q, k, v, gates, causal, offset, padding)
+    torch.testing.assert_close(out, ref, **TOL)
+    weight = torch.randn(ref.shape, generator=generator)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v, gates))
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v, gates))
+    for grad, ref_grad in zip(grads[:3], ref_grads[:3]):
+        torch.testing.assert_close(grad, ref_grad, **TOL)
+    torch.testing.assert_close(grads[3] * on, ref_grads[3] * on, **TOL)
+
+
 def test_sparse_skips_unselected_pairs():
     """Perturbing a query no gate selects leaves the sparse output unchanged: its attention was never run."""
     torch.manual_seed(0)

@@ -83,8 +83,8 @@ def head_sparse_attention(
     if attn_mask is not None:
         head_mask = attn_mask if attn_mask.dtype != torch.bool else _bias(attn_mask, q.dtype)
         head_mask = head_mask.expand(batch, num_heads, length, k.shape[2])
-    if length == 1 and head_mask is None and dropout_p == 0.0:
-        return _decode(q, k, v, gates, kv_group, key_bias)
+    if length == 1 and head_mask is None and dropout_p == 0.0 and (not causal or offset + 1 >= k.shape[2]):
+        return _decode(q, k, v, gates, kv_group, key_bias)                     # sees every key
     args = (causal, offset, key_bias, dropout_p)
     num_routed = num_heads - num_shared_heads
     # split, not slicing: backward then concatenates the groups' gradients instead of adding full-size ones.
@@ -97,7 +97,8 @@ def head_sparse_attention(
         shared = _attend_all(q_groups[0], *kv_groups[0], mask_groups[0], *args)           # (B, h_s, N, d)
         out[:, :length, :num_shared_heads] = shared.transpose(1, 2) * gates[..., :num_shared_heads, None]
     if num_routed:
-        selected = _attend_routed(q_groups[1], *kv_groups[1], gates[..., num_shared_heads:], mask_groups[1], *args)
+        selected = _attend_routed(q_groups[1], *kv_groups[1], gates[..., num_shared_heads:], mask_groups[1],
+                                  *args)
         if selected is not None:
             rows, values = selected
             sequence = torch.arange(batch, device=q.device)[:, None, None]
@@ -127,7 +128,7 @@ def _split_kv(k: torch.Tensor, v: torch.Tensor, num_shared_heads: int, kv_group:
 
 
 def _attend_all(q, k, v, head_mask, causal, offset, key_bias, dropout_p) -> torch.Tensor:
-    """Every query of the given heads (the shared heads): plain SDPA, with SDPA's own causal skipping when it can."""
+    """Every query of the given (shared) heads: plain SDPA, with SDPA's own causal block skipping when it can."""
     length, num_keys = q.shape[2], k.shape[2]
     if causal and key_bias is None and head_mask is None and offset == 0 and length == num_keys:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
