@@ -138,3 +138,14 @@ def test_timm_vit_weights_load_into_moh_vit_and_dense_mode_reproduces_timm():
 def test_per_layer_budget_lists_must_match_depth():
     with pytest.raises(ValueError, match="top_k has 3 entries for depth=12"):
         vit_config("vit_s_75", top_k=[2, 2, 2])
+
+
+def test_multi_gpu_overlay_switches_strategy_and_keeps_the_experiment(capsys, run_dir):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "vit_b_75.yaml", "--config", "multi_gpu.yaml", "--data.init_args.data_dir=/d",
+              "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["trainer"]["strategy"] == "ddp" and config["trainer"]["devices"] == 8
+    assert config["model"]["init_args"]["vit"]["top_k"] == 5
+    assert config["data"]["class_path"] == "moh_lightning.data.images.ImageFolderDataModule"
+    assert config["data"]["init_args"]["batch_size"] == 128 and config["data"]["init_args"]["data_dir"] == "/d"
