@@ -40,7 +40,8 @@ def _logits_and_features(model: torch.nn.Module, images: np.ndarray, batch_size:
 
 
 def score_digits(samples: np.ndarray, labels: np.ndarray, classifier: str) -> dict[str, float | list[float]]:
-    """Conditioning-class accuracy (overall and per class) and classifier-feature FID against the training digits."""
+    """Conditioning-class accuracy (overall and per class), classifier-feature FID against the training digits, and
+    the classifier's own accuracy on the held-out real digits (its ceiling)."""
     from moh_lightning.tasks.classification import ImageClassifier
 
     if not Path(classifier).is_file():
@@ -50,14 +51,16 @@ def score_digits(samples: np.ndarray, labels: np.ndarray, classifier: str) -> di
     logits, features = _logits_and_features(model, samples)
     predicted = logits.argmax(-1).numpy()
     correct = predicted == labels
-    real = load_mnist_5k()["train"][0]
-    _, real_features = _logits_and_features(model, real)
+    splits = load_mnist_5k()
+    _, real_features = _logits_and_features(model, splits["train"][0])
+    val_logits, _ = _logits_and_features(model, splits["val"][0])
     stats = [fid_features_to_statistics(f.double()) for f in (features, real_features)]
     classes = np.unique(labels)
     return {
         "class_accuracy": float(correct.mean()),
         "per_class_accuracy": [float(correct[labels == c].mean()) for c in classes],
         "classifier_fid": float(fid_statistics_to_metric(*stats, verbose=False)[KEY_METRIC_FID]),
+        "classifier_real_val_accuracy": float((val_logits.argmax(-1).numpy() == splits["val"][1]).mean()),
         "num_samples": int(len(labels)),
     }
 

@@ -212,7 +212,7 @@ class ClassConditionalDiffusion(LightningModule):
             variance = "learned_range" if self.model.learn_sigma else "fixed_small"
             scheduler = DDPMScheduler(variance_type=variance, **common)
         elif sampler == "ddim":
-            scheduler = DDIMScheduler(set_alpha_to_one=False, **common)
+            scheduler = DDIMScheduler(set_alpha_to_one=True, **common)  # the last step lands on x_0, as ADM's DDIM
         else:
             raise ValueError(f"sampler={sampler!r}: choose 'ddpm' or 'ddim'.")
         scheduler.set_timesteps(steps)
