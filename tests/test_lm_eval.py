@@ -71,7 +71,8 @@ def test_lm_eval_tool_on_local_tasks_checkpoint_and_export_agree(workspace, caps
     for flag, value in (("--checkpoint", workspace / "tiny.ckpt"), ("--hf_folder", workspace / "hf")):
         output = workspace / f"results{flag}.json"
         moh(["lm-eval", flag, str(value), "--tasks", "[tiny_choice, tiny_gen]", "--include_path",
-             str(workspace / "tasks"), "--batch_size", "2", "--add_bos_token", "false", "--include_defaults", "false", "--output", str(output)])
+             str(workspace / "tasks"), "--include_defaults", "false", "--batch_size", "2",
+             "--add_bos_token", "false", "--output", str(output)])
         results[flag] = json.loads(output.read_text())["results"]
     assert "tiny_choice" in capsys.readouterr().out
     ours, exported = results["--checkpoint"], results["--hf_folder"]

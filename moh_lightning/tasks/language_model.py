@@ -124,7 +124,7 @@ class LanguageModel(LightningModule):
 
     def configure_optimizers(self):
         decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
+        for param in self.model.parameters():
             if param.requires_grad:
                 (decay if param.ndim >= 2 else no_decay).append(param)
         optimizer = torch.optim.AdamW(
