@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 from lightning.pytorch import LightningModule
+from PIL import Image
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
@@ -316,7 +317,6 @@ def sample(
                 x = decoder.decode(x / latent_scale).sample
         arrays.append(to_uint8(x))
     images = np.concatenate(arrays)
-    from PIL import Image
     for i, (image, label) in enumerate(zip(images, labels.tolist())):
         Image.fromarray(image).save(out / "images" / f"{i:06d}_c{label}.png")
     np.savez(out / "samples.npz", arr_0=images, arr_1=labels.numpy())
@@ -330,7 +330,6 @@ def sample(
 
 def save_class_grid(images: np.ndarray, labels: np.ndarray, path: Path, per_class: int = 10) -> None:
     """PNG grid with one row per class present in ``labels`` and up to ``per_class`` samples of it."""
-    from PIL import Image
     rows = []
     for label in np.unique(labels):
         row = images[labels == label][:per_class]
