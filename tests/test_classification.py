@@ -6,7 +6,6 @@ import pytest
 import timm
 import torch
 import yaml
-from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from moh_lightning.cli import MoHLightningCLI, config_dir, main, resolve_config
@@ -93,14 +92,8 @@ def test_missing_image_folder_names_the_key_and_the_embedded_config(tmp_path):
         data.setup("fit")
 
 
-def test_image_folder_serves_timm_transformed_batches(tmp_path):
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for label in ("cat", "dog"):
-            folder = tmp_path / split / label
-            folder.mkdir(parents=True)
-            for i in range(4):
-                Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+def test_image_folder_serves_timm_transformed_batches(tmp_path, write_image_folder):
+    write_image_folder(tmp_path)
     data = ImageFolderDataModule(str(tmp_path), img_size=32, batch_size=4, num_workers=0)
     data.setup("fit")
     images, labels = next(iter(data.train_dataloader()))

@@ -146,14 +146,7 @@ def test_run_killed_mid_epoch_resumes_from_last_to_the_same_weights_and_losses(r
     assert len(losses) == 7 and resumed_losses == losses
 
 
-def _image_folder(root, corrupt: dict[str, bytes]):
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for label in ("cat", "dog"):
-            folder = root / split / label
-            folder.mkdir(parents=True)
-            for i in range(3):
-                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+def _corrupt(root, corrupt: dict[str, bytes]):
     for name, content in corrupt.items():
         (root / "train" / "cat" / name).write_bytes(content)
 
@@ -164,16 +157,18 @@ def _truncated_png() -> bytes:
     return buffer.getvalue()[:60]
 
 
-def test_corrupt_image_stops_the_run_naming_the_file_even_from_a_worker(tmp_path):
-    _image_folder(tmp_path, {"broken.png": b"not an image"})
+def test_corrupt_image_stops_the_run_naming_the_file_even_from_a_worker(tmp_path, write_image_folder):
+    write_image_folder(tmp_path, per_class=3, size=(20, 20))
+    _corrupt(tmp_path, {"broken.png": b"not an image"})
     data = ImageFolderDataModule(str(tmp_path), img_size=16, batch_size=1, num_workers=1)
     data.setup("fit")
     with pytest.raises(RuntimeError, match=r"broken\.png.*on_corrupt skip"):
         list(data.train_dataloader())
 
 
-def test_corrupt_images_are_skipped_counted_and_named_with_on_corrupt_skip(tmp_path, caplog):
-    _image_folder(tmp_path, {"broken.png": b"not an image", "truncated.png": _truncated_png()})
+def test_corrupt_images_are_skipped_counted_and_named_with_on_corrupt_skip(tmp_path, caplog, write_image_folder):
+    write_image_folder(tmp_path, per_class=3, size=(20, 20))
+    _corrupt(tmp_path, {"broken.png": b"not an image", "truncated.png": _truncated_png()})
     data = ImageFolderDataModule(str(tmp_path), img_size=16, batch_size=4, num_workers=0, on_corrupt="skip")
     data.setup("fit")
     batches = list(data.train_dataloader())
