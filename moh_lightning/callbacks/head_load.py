@@ -2,8 +2,8 @@
 
 Counts come from every MoH layer's ``last_gates`` after each training batch (a head is "loaded" by a token
 when its gate is non-zero), summed over the logging window and over DDP ranks. At the end of validation, the
-last MoH layer's routed-head load per class (paper Fig. 3) is drawn with matplotlib, logged as an image and
-saved as ``head_load/epoch_XXX.png`` in the run folder. Works with any task whose LightningModule exposes
+routed-head load per class of the deepest MoH layer that has routed heads (paper Fig. 3) is drawn with
+matplotlib, logged as an image and saved as ``head_load/epoch_XXX.png`` in the run folder. Works with any task whose LightningModule exposes
 ``head_load_groups(batch)``.
 """
 from __future__ import annotations
@@ -60,6 +60,7 @@ class HeadLoadCallback(Callback):
         self.max_plot_classes = max_plot_classes
         self.collapse_windows = collapse_windows
         self._layers: list[MoHAttention] = []
+        self._plot_layer: MoHAttention | None = None
         self._starved_windows: dict[int, torch.Tensor] = {}  # layer -> (routed heads,) consecutive starved windows
         self._reset_window()
         self._class_counts: torch.Tensor | None = None  # (classes, h) routed loads of the last layer
@@ -73,6 +74,10 @@ class HeadLoadCallback(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._layers = moh_layers(pl_module)
+        # The per-class figure shows routed heads, so it reads the deepest layer that has any (in the DiT
+        # configs the last layers share every head, which would give an empty figure).
+        routed = [layer for layer in self._layers if layer.router.num_routed_heads]
+        self._plot_layer = routed[-1] if routed else None
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
 
     @staticmethod
@@ -143,12 +148,12 @@ class HeadLoadCallback(Callback):
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         groups_of = getattr(pl_module, "head_load_groups", None)
-        if not self._layers or groups_of is None or self._layers[-1].last_gates is None:
+        if self._plot_layer is None or groups_of is None or self._plot_layer.last_gates is None:
             return
         groups = groups_of(batch)
         if groups is None:
             return
-        gates = self._layers[-1].last_gates
+        gates = self._plot_layer.last_gates
         per_sample = (gates > 0).float().sum(1)                    # (B, h) tokens using each head
         tokens = (gates > 0).any(-1).float().sum(1)                # (B,)
         groups = groups.to(gates.device).long()
@@ -169,10 +174,10 @@ class HeadLoadCallback(Callback):
         counts, tokens = self._gather_classes(trainer)
         if not trainer.is_global_zero:
             return
-        shared = self._layers[-1].router.num_shared_heads
+        shared = self._plot_layer.router.num_shared_heads
         load = counts[:, shared:] / tokens[:, None].clamp_min(1)
         figure = plot_class_head_load(load[: self.max_plot_classes], first_head=shared,
-                                      title=f"Routed-head load, last MoH layer (epoch {trainer.current_epoch})")
+                                      title=f"Routed-head load, deepest routed MoH layer (epoch {trainer.current_epoch})")
         folder = Path(trainer.log_dir or trainer.default_root_dir) / "head_load"
         folder.mkdir(parents=True, exist_ok=True)
         figure.savefig(folder / f"epoch_{trainer.current_epoch:03d}.png", dpi=100)
