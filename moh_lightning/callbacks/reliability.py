@@ -9,6 +9,7 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -25,12 +26,31 @@ class StepCheckpoint(ModelCheckpoint):
         super().__init__(dirpath=dirpath, filename="{step:07d}", monitor="step", mode="max", save_top_k=keep,
                          every_n_train_steps=every_n_train_steps, save_last=True, enable_version_counter=False)
 
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # The final `last` is written at the end of the last batch rather than in on_train_end: by then
+        # EMAWeightAveraging has copied the average over the training weights, and a run resumed from it (with a
+        # larger max_steps) would train on from the average instead of the weights.
+        if _stops_after_this_batch(trainer) and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        # ModelCheckpoint saves `last` at the end only if it never saved before, which would lose the steps
-        # after the last multiple of every_n_train_steps.
+        # Any other stop (max_time, ...): ModelCheckpoint saves `last` at the end only if it never saved before,
+        # which would lose the steps after the last multiple of every_n_train_steps.
         if self._last_global_step_saved != trainer.global_step and not trainer.fast_dev_run:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _stops_after_this_batch(trainer: Trainer) -> bool:
+    """Whether fit ends after the current batch: max_steps reached, a stop requested, or the last epoch's end."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if epoch_loop._should_accumulate():
+        return False
+    last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+    return (0 <= trainer.max_steps <= trainer.global_step or trainer.should_stop
+            or last_epoch and epoch_loop.batch_progress.is_last_batch)
 
 
 class ExactResumeCallback(Callback):
@@ -49,6 +69,7 @@ class ExactResumeCallback(Callback):
     def __init__(self) -> None:
         super().__init__()
         self._to_restore: dict[str, Any] | None = None
+        self._before_validation: dict[str, Any] | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         states = [_rng_states()]
@@ -79,6 +100,19 @@ class ExactResumeCallback(Callback):
         if self._to_restore is not None:
             _set_rng_states(self._to_restore)
             self._to_restore = None
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._before_validation = _rng_states()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A run resumed from a checkpoint written at the end of a batch skips the validation that followed it:
+        # Lightning fast-forwards that validation, creating its loader's iterator (which draws a seed) but running
+        # no batch. So the random draws of the validation batches (DiT's noise and timesteps) are undone here, or
+        # they would shift every later training draw of the uninterrupted run.
+        if self._before_validation is not None:
+            _set_rng_states(self._before_validation)
+            self._before_validation = None
 
 
 def _rng_states() -> dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from moh_lightning.data.images import load_mnist_5k
 
@@ -97,9 +98,11 @@ class LatentDataModule(LightningDataModule):
         labels = np.load(self.cache_dir / "labels.npy")
         self.train_set = LatentDataset(latents, labels, self.hparams.flip)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run continues mid-epoch.
+        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                                  num_workers=self.hparams.num_workers,
+                                  persistent_workers=self.hparams.num_workers > 0)
 
 
 @torch.no_grad()
@@ -182,9 +185,9 @@ class MNISTPixelDataModule(LightningDataModule):
         self.train_set = TensorDataset(mnist_pixels(splits["train"][0], size), torch.as_tensor(splits["train"][1]))
         self.val_set = TensorDataset(mnist_pixels(splits["val"][0], size), torch.as_tensor(splits["val"][1]))
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers)
+    def train_dataloader(self) -> StatefulDataLoader:
+        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                                  num_workers=self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=250, num_workers=self.hparams.num_workers)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 BYTE_TOKENIZER = "byte"
 STDLIB = "python-stdlib"
@@ -302,9 +303,12 @@ class TextDataModule(LightningDataModule):
             raise ValueError(f"no validation window of seq_len={seq_len} tokens: raise a source's val_fraction "
                              f"or lower seq_len.")
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+    def train_dataloader(self) -> StatefulDataLoader:
+        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run neither repeats nor
+        # skips a sequence.
+        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                                  num_workers=self.hparams.num_workers,
+                                  persistent_workers=self.hparams.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False,

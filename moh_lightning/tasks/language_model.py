@@ -91,14 +91,14 @@ class LanguageModel(LightningModule):
             loss = loss + self.hparams.load_balance_beta * balance
             self.log("train/load_balance_loss", balance)
         self.tokens_seen += batch["tokens"][:, 1:].numel() * self.trainer.world_size
+        # Set here rather than in on_train_batch_end, which runs after the callbacks: StepCheckpoint then knows
+        # this is the last batch and writes `last` at its end.
+        if self.tokens_seen >= self.hparams.max_tokens:
+            self.trainer.should_stop = True
         self.log("train/loss", lm_loss, prog_bar=True)
         self.log("train/ppl", lm_loss.exp())
         self.log("train/tokens", float(self.tokens_seen))
         return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        if self.tokens_seen >= self.hparams.max_tokens:
-            self.trainer.should_stop = True
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self._loss(batch)
