@@ -106,9 +106,11 @@ def _file_documents(source: TextSource) -> Iterator[tuple[str, bytes]]:
         files = sorted(p for p in root.rglob(pattern)
                        if p.is_file() and not {"site-packages", "dist-packages"} & set(p.parts))
     else:
-        raise FileNotFoundError(f"data source path {source.path}: no such file or folder.")
+        raise FileNotFoundError(f"data source path {source.path!r}: no such file or folder; point it at a text file, "
+                                f"a folder of them, or {STDLIB!r}.")
     if not files:
-        raise FileNotFoundError(f"data source path {source.path}: no files match pattern {pattern!r}.")
+        raise FileNotFoundError(f"data source path {source.path!r}: no files match pattern {pattern!r} in that "
+                                f"folder or below; add text files or set the source's pattern (e.g. '*.md').")
     for index, file in enumerate(files):
         if source.max_documents is not None and index >= source.max_documents:
             return
@@ -120,19 +122,26 @@ def is_validation(name: str, val_fraction: float) -> bool:
     return zlib.crc32(name.encode()) % 10_000 < val_fraction * 10_000
 
 
-def load_tokenizer(name: str):
-    """``byte`` (ByT5's byte-level tokenizer, built without any file) or a Hugging Face tokenizer."""
+def load_tokenizer(name: str, key: str = "tokenizer"):
+    """``byte`` (ByT5's byte-level tokenizer, built without any file) or a Hugging Face tokenizer.
+
+    ``key`` names the setting in the one-line error raised when the tokenizer cannot be found or loaded.
+    """
     if name == BYTE_TOKENIZER:
         from transformers import ByT5Tokenizer
 
         return ByT5Tokenizer(extra_ids=0)
     from transformers import AutoTokenizer
 
+    advice = "give a tokenizer folder (written by save_pretrained), a hub id that is reachable or cached, or 'byte'"
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"{key}={name!r}: no such folder; {advice}.")
     try:
         return AutoTokenizer.from_pretrained(name)
-    except OSError as error:
-        raise OSError(f"tokenizer {name!r}: cannot load it ({error}); give a local tokenizer folder, a hub id "
-                      f"reachable from here, or 'byte'.") from error
+    except (OSError, ValueError) as error:
+        # transformers' messages run over several lines; the first says what failed.
+        reason = str(error).strip().splitlines()[0].rstrip(" :")
+        raise OSError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None
 
 
 def encode(tokenizer, tokenizer_name: str, text: bytes | str) -> np.ndarray:
@@ -151,13 +160,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
 
 
-def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path) -> Path:
+def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, key: str = "tokenizer") -> Path:
     """Writes ``train.bin`` / ``val.bin`` / ``meta.json`` for ``source`` once; returns its folder."""
     folder = cache_dir / source.cache_key(tokenizer_name)
     if (folder / "meta.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = load_tokenizer(tokenizer_name, key)
     dtype = token_dtype(len(tokenizer))
     counts = {"train": 0, "val": 0}
     documents = {"train": 0, "val": 0}
@@ -168,12 +177,22 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path) ->
             (val if split == "val" else train).write(ids.tobytes())
             counts[split] += len(ids)
             documents[split] += 1
+    if sum(counts.values()) == sum(documents.values()):  # nothing but the EOS after each document
+        found = f"its {sum(documents.values())} documents are empty" if any(documents.values()) else "no documents"
+        raise ValueError(f"data source {source.label!r}: {found}; give it some text or remove it from the sources.")
     for split in ("train", "val"):
         (folder / f"{split}.bin.tmp").rename(folder / f"{split}.bin")
     meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "tokenizer": tokenizer_name,
             "vocab_size": len(tokenizer), "source": asdict(source)}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
     return folder
+
+
+def _split(folder: Path) -> str:
+    """How a source's documents were split, for error messages."""
+    meta = json.loads((folder / "meta.json").read_text())
+    documents, fraction = meta["documents"], meta["source"]["val_fraction"]
+    return f" (documents: {documents['train']} train, {documents['val']} validation at val_fraction={fraction})"
 
 
 def open_tokens(folder: Path, split: str) -> np.ndarray:
@@ -275,7 +294,7 @@ class TextDataModule(LightningDataModule):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.hparams.tokenizer)
+            self._tokenizer = load_tokenizer(self.hparams.tokenizer, key="data.init_args.tokenizer")
         return self._tokenizer
 
     @property
@@ -289,19 +308,27 @@ class TextDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         for source in self.sources:
-            tokenize_source(source, self.hparams.tokenizer, self.cache_dir)
+            tokenize_source(source, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer")
 
     def setup(self, stage: str) -> None:
-        folders = [tokenize_source(s, self.hparams.tokenizer, self.cache_dir) for s in self.sources]
+        folders = [tokenize_source(s, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer")
+                   for s in self.sources]
         seq_len = self.hparams.seq_len
         train = [open_tokens(f, "train") for f in folders]
+        for source, folder, tokens in zip(self.sources, folders, train):
+            if len(tokens) <= seq_len:
+                raise ValueError(f"data source {source.label!r}: its training split has {len(tokens)} tokens, fewer "
+                                 f"than one sequence of data.init_args.seq_len + 1 = {seq_len + 1}{_split(folder)}; "
+                                 f"add text, lower seq_len, or remove the source.")
         num_samples = self.hparams.samples_per_epoch or max(1, sum((len(a) - 1) // seq_len for a in train))
         self.train_set = MixtureSequences(train, [s.weight for s in self.sources], seq_len, num_samples,
                                           self.hparams.seed)
         self.val_set = EvenChunks([open_tokens(f, "val") for f in folders], seq_len, self.hparams.val_samples)
         if len(self.val_set) == 0:
-            raise ValueError(f"no validation window of seq_len={seq_len} tokens: raise a source's val_fraction "
-                             f"or lower seq_len.")
+            held_out = ", ".join(f"{s.label!r} holds out {len(open_tokens(f, 'val'))} tokens{_split(f)}"
+                                 for s, f in zip(self.sources, folders))
+            raise ValueError(f"no validation sequence of data.init_args.seq_len + 1 = {seq_len + 1} tokens: "
+                             f"{held_out}; raise a source's val_fraction, add documents, or lower seq_len.")
 
     def train_dataloader(self) -> StatefulDataLoader:
         # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run neither repeats nor
