@@ -1,5 +1,8 @@
-"""Two-process DDP on CPU (gloo) agrees with one process over the same data: load-balance loss, head loads, weights."""
+"""Two-process DDP on CPU (gloo): agrees with one process over the same data (load-balance loss, head loads,
+weights), and `moh fit --trainer.strategy ddp` trains every task."""
 import csv
+import json
+import math
 import os
 import subprocess
 import sys
@@ -7,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from moh_lightning import MoHAttention, pop_load_balance_loss
@@ -78,13 +82,74 @@ def test_two_process_ddp_matches_one_process_loss_head_load_and_weights(tmp_path
         torch.testing.assert_close(ddp_state[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_moh_fit_runs_under_lightning_ddp_with_two_cpu_processes(run_dir):
+class RankState(Callback):
+    """Test helper loaded by the `moh` subprocesses (``tests/`` on PYTHONPATH): each rank saves its final weights."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        torch.save(pl_module.state_dict(), f"rank{trainer.global_rank}.pt")
+
+
+def _write_text_corpus(folder: Path) -> None:
+    """Twelve small 'documents', so the LM test tokenises kilobytes rather than the standard library."""
+    words = ["def", "return", "self", "x", "=", "(", ")", ":", "if", "for"]
+    folder.mkdir()
+    for i in range(12):
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(2000)))
+
+
+# Each shipped config shrunk to seconds: 3 optimizer steps on each of 2 processes, one validation batch at the end.
+DDP_TASKS = {
+    "classification": ("vit_tiny_mnist_75", ["--data.init_args.batch_size=16", "--trainer.limit_val_batches=1",
+                                             "--trainer.val_check_interval=3"]),
+    # dit_mnist_90's own callbacks (EMA from step 400, sample grids every 500 steps) are replaced so that the
+    # EMA is updated and a grid is sampled on rank 0 within the 3 steps.
+    "diffusion": ("dit_mnist_90", ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1",
+                                   "--trainer.val_check_interval=3", "--trainer.callbacks=" + json.dumps([
+                                       {"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging",
+                                        "init_args": {"decay": 0.9, "update_starting_at_step": 1}},
+                                       {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                        "init_args": {"save_last": True, "save_top_k": 0}},
+                                       {"class_path": "moh_lightning.callbacks.HeadLoadCallback"},
+                                       {"class_path": "moh_lightning.callbacks.sample_grid.SampleGridCallback",
+                                        "init_args": {"every_n_steps": 2, "num_per_class": 1, "steps": 2}}])]),
+    "language_model": ("llm_stdlib_75", [
+        "--data.init_args.sources=[{path: corpus, val_fraction: 0.3}]", "--data.init_args.cache_dir=token_cache",
+        "--data.init_args.seq_len=64", "--data.init_args.batch_size=4", "--model.init_args.llm.n_layer=2",
+        "--model.init_args.llm.n_embd=64", "--model.init_args.llm.head_size=8",
+        "--model.init_args.llm.intermediate_size=128", "--model.init_args.llm.block_size=64",
+        "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3"]),
+}
+
+
+def _logged_scalars(run: Path, tag: str) -> list[float]:
+    accumulator = EventAccumulator(str(run)).Reload()
+    return [event.value for event in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
+
+
+@pytest.mark.parametrize("task", DDP_TASKS)
+def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(task, run_dir):
+    config, overrides = DDP_TASKS[task]
+    if task == "language_model":
+        _write_text_corpus(run_dir / "corpus")
     # Lightning's `ddp` strategy re-launches the command for rank 1, so `moh` runs as its own process.
-    args = [str(Path(sys.executable).with_name("moh")), "fit", "--config", "vit_tiny_mnist_75.yaml",
+    args = [str(Path(sys.executable).with_name("moh")), "fit", "--config", f"{config}.yaml",
             "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=3",
-            "--trainer.limit_val_batches=1", "--data.init_args.batch_size=16", "--trainer.log_every_n_steps=1"]
-    result = subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides,
+            "--trainer.callbacks+=test_distributed.RankState"]
+    result = subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Starting with 2 processes" in result.stdout + result.stderr
-    assert (run_dir / "runs" / "vit_tiny_mnist_75" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    # DDP keeps the replicas identical: both ranks end with the same weights, bit for bit, and they are finite.
+    rank0, rank1 = (torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0.keys() == rank1.keys()
+    for name, value in rank0.items():
+        assert torch.equal(value, rank1[name]), name
+        assert torch.isfinite(value.float()).all(), name
+    run = next(run_dir.rglob("version_0"))  # the config's TensorBoard run
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 3
+    assert all(torch.isfinite(v.float()).all() for v in checkpoint["state_dict"].values())
+    losses = _logged_scalars(run, "train/loss")
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert all(math.isfinite(v) for v in _logged_scalars(run, "val/loss"))

@@ -172,13 +172,14 @@ class HeadLoadCallback(Callback):
         if trainer.sanity_checking or self._class_counts is None:
             return
         counts, tokens = self._gather_classes(trainer)
+        # trainer.log_dir broadcasts from rank 0 under DDP / FSDP: every rank must ask, or rank 0 waits forever.
+        folder = Path(trainer.log_dir or trainer.default_root_dir) / "head_load"
         if not trainer.is_global_zero:
             return
         shared = self._plot_layer.router.num_shared_heads
         load = counts[:, shared:] / tokens[:, None].clamp_min(1)
         figure = plot_class_head_load(load[: self.max_plot_classes], first_head=shared,
                                       title=f"Routed-head load, deepest routed MoH layer (epoch {trainer.current_epoch})")
-        folder = Path(trainer.log_dir or trainer.default_root_dir) / "head_load"
         folder.mkdir(parents=True, exist_ok=True)
         figure.savefig(folder / f"epoch_{trainer.current_epoch:03d}.png", dpi=100)
         for logger in trainer.loggers:

@@ -187,7 +187,8 @@ class ClassConditionalDiffusion(LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         losses = self._diffusion_loss(batch)
-        self.log_dict({"val/loss": losses["loss"], "val/mse": losses["mse"], "val/vb": losses["vb"]}, prog_bar=True)
+        self.log_dict({"val/loss": losses["loss"], "val/mse": losses["mse"], "val/vb": losses["vb"]}, prog_bar=True,
+                      sync_dist=True)  # the mean over ranks, so every rank's checkpoint callback sees one value
 
     def head_load_groups(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The conditioning class of every sample, for the head-load callback's per-class plots."""

@@ -102,10 +102,11 @@ class LanguageModel(LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", loss.exp())
+        # Means over ranks, so every rank's checkpoint callback monitors the same val/loss.
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", loss.exp(), sync_dist=True)
         if getattr(self.trainer.datamodule, "is_byte_level", False):
-            self.log("val/bpb", loss / math.log(2))
+            self.log("val/bpb", loss / math.log(2), sync_dist=True)
         self.log("val/activated_heads", activated_head_fraction(self.model))
         self.log("val/tokens", float(self.tokens_seen))
 
