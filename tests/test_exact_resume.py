@@ -1,9 +1,10 @@
 """Exact resume of the DiT and LM tasks: a fit stopped mid-epoch and resumed from `last` equals the uninterrupted fit.
 
 Each task runs a tiny override of its CPU default three times in deterministic mode: uninterrupted, stopped (a crash
-before step 7, or max_steps 5), and resumed with ``ckpt_path="last"``. Epochs are 4 batches and validation runs
-every 2, so the crash resumes from the step-6 checkpoint, written where a validation followed, and both resumes
-continue mid-epoch and across an epoch boundary.
+before step 7, a crash in the validation after step 6, or max_steps 5), and resumed with ``ckpt_path="last"``.
+Epochs are 4 batches, validation runs every 2 and checkpoints every 3 steps, so the crash before step 7 resumes from
+the step-6 checkpoint written after that validation, the crash in it from step 3, and every resume continues
+mid-epoch and across an epoch boundary.
 """
 import os
 from collections.abc import Iterator
@@ -55,6 +56,17 @@ class CrashAtStep(Callback):
             raise RuntimeError(f"injected crash at step {self.step}")
 
 
+class CrashInValidation(Callback):
+    """Raises in the validation after training step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.step and not trainer.sanity_checking:
+            raise RuntimeError(f"injected crash in the validation at step {self.step}")
+
+
 class RecordTokens(Callback):
     """The token windows of every training step, by step."""
 
@@ -91,10 +103,13 @@ def _fit(folder: Path, args: list[str], callbacks: list[dict], *extra: Callback,
 
 def _stop_and_resume(folder: Path, how: str, args: list[str], callbacks: list[dict],
                      *extra: Callback) -> MoHLightningCLI:
-    """A fit stopped mid-epoch (a crash before step 7, or max_steps 5), then resumed from `last` up to STEPS."""
+    """A fit stopped mid-epoch (see the module docstring), then resumed from `last` up to STEPS."""
     if how == "crash":
         with pytest.raises(RuntimeError, match="injected crash at step 7"):
             _fit(folder, args, callbacks, CrashAtStep(7), *extra)
+    elif how == "crash in validation":
+        with pytest.raises(RuntimeError, match="injected crash in the validation at step 6"):
+            _fit(folder, args, callbacks, CrashInValidation(6), *extra)
     else:
         _fit(folder, args, callbacks, *extra, max_steps=5)
     resumed = _fit(folder, args, callbacks, *extra, ckpt_path="last")
@@ -174,7 +189,7 @@ def lm_uninterrupted(tmp_path_factory, lm_args) -> tuple[Path, dict[int, torch.T
     return folder, tokens.seen
 
 
-@pytest.mark.parametrize("how", ["crash", "max_steps"])
+@pytest.mark.parametrize("how", ["crash", "crash in validation", "max_steps"])
 def test_lm_resumed_mid_epoch_sees_the_same_sequences_and_reaches_the_same_weights(how, lm_args, lm_uninterrupted,
                                                                                     tmp_path):
     folder, expected_tokens = lm_uninterrupted

@@ -28,12 +28,28 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        # The final `last` is written at the end of the last batch rather than in on_train_end: by then
-        # EMAWeightAveraging has copied the average over the training weights, and a run resumed from it (with a
-        # larger max_steps) would train on from the average instead of the weights.
-        if _stops_after_this_batch(trainer) and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        # When a validation follows this batch, save after it instead: resuming from a checkpoint written before
+        # it, Lightning skips that validation, so a run killed during it would never log it.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            self._save_if_due(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._save_if_due(trainer)
+
+    def _save_if_due(self, trainer: Trainer) -> None:
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if trainer.global_step % self._every_n_train_steps == 0:
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        elif _stops_after_this_batch(trainer):
+            # The final `last` is written here rather than in on_train_end: by then EMAWeightAveraging has copied
+            # the average over the training weights, and a run resumed from it (with a larger max_steps) would
+            # train on from the average instead of the weights.
+            self._save_last_checkpoint(trainer, candidates)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
