@@ -8,13 +8,15 @@ take ``--help``, ``--config`` and command-line overrides the same way.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from jsonargparse import CLI
+from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -70,6 +72,43 @@ def resolve_config_args(args: Sequence[str]) -> list[str]:
     return out
 
 
+def one_line_error(message: str) -> str:
+    """A jsonargparse error report (usage, nested union and subclass reports) as one line naming the key."""
+    unknown = re.search(r"unrecognized arguments: (\S+?)(?:=|\s|$)|Option '([^']+)' is not accepted", message)
+    if unknown:
+        # Inside a subclass the report names the group ("model") and the argument relative to its init_args.
+        group = re.match(r'Parser key "([^"]+)"', message)
+        name = (unknown.group(1) or unknown.group(2)).lstrip("-")
+        key = f"{group.group(1)}.init_args.{name}" if group and "." not in group.group(1) else name
+        return (f"unknown config key {key!r}: check its spelling and level against `moh fit --config <yaml> "
+                f"--print_config` (keys are not abbreviated).")
+    # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    lines = [line.strip(" -") for line in message.splitlines() if line.strip(" -")]
+    reasons = [line for line in lines if not re.match(r"(Parser key|Does not validate|Subtypes|Errors|Given value"
+                                                      r"|Expected a <class 'NoneType'>|Problem with given)", line)]
+    reason = " ".join(reasons or lines)
+    if keys:
+        return f"config key {'.init_args.'.join(keys)!r}: {reason}"
+    built = re.search(r"class_path='(?:\w+\.)*(\w+)'", message)
+    return f"{built.group(1)}: {reason}" if built else reason
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Parser errors as one line naming the key and what to do, instead of usage text and nested reports.
+
+    Abbreviated options are errors too (argparse would silently read ``--trainer.max_step`` as ``max_steps``).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or debug_mode_active():  # jsonargparse catches these errors itself
+            super().error(message, ex)
+        raise SystemExit(f"moh: {one_line_error(message)}")
+
+
 class MoHLightningCLI(LightningCLI):
     """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config."""
 
@@ -80,9 +119,16 @@ class MoHLightningCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            parser_class=OneLineErrorParser,
             args=args,
             run=run,
         )
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
+            raise SystemExit(f"moh: {one_line_error(str(error))}") from None
 
 
 def _tool(name: str) -> Callable:

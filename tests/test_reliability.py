@@ -245,12 +245,12 @@ def test_routing_collapse_warns_naming_layer_and_heads_and_logs_a_scalar(tmp_pat
 
 
 @pytest.mark.parametrize("where", ["command line", "config file"])
-def test_mistyped_config_key_fails_naming_the_key(where, run_dir, capsys):
+def test_mistyped_config_key_fails_naming_the_key(where, run_dir):
     if where == "command line":
         args = ["--model.init_args.vit.top_kk=3"]
     else:
         (run_dir / "typo.yaml").write_text("model:\n  init_args:\n    learning_rate: 0.1\n")
         args = ["--config", "typo.yaml"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", "vit_tiny_mnist_75.yaml", *args])
-    assert ("top_kk" if where == "command line" else "learning_rate") in capsys.readouterr().err
+    assert ("top_kk" if where == "command line" else "learning_rate") in str(exit_info.value.code)

@@ -22,7 +22,7 @@ SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215
 
 
-def load_vae(name: str, key: str = "data.vae"):
+def load_vae(name: str, key: str = "data.init_args.vae"):
     """``AutoencoderKL`` from a hub id or a local folder; a clear error when it cannot be loaded (e.g. offline)."""
     from diffusers import AutoencoderKL
 
@@ -113,7 +113,7 @@ def encode_image_folder(data_path: str, cache_dir: Path, vae: str, latent_scale:
     from torchvision.datasets import ImageFolder
 
     if not Path(data_path).is_dir():
-        raise SystemExit(f"data.data_path={data_path!r}: no such folder; point it at an ImageFolder "
+        raise SystemExit(f"data.init_args.data_path={data_path!r}: no such folder; point it at an ImageFolder "
                          f"(<data_path>/<class>/*.jpg).")
     transform = transforms.Compose([
         transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),

@@ -138,7 +138,11 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
         kwargs["input2_cache_name"] = f"{reference_name}-{_weights_tag(weights)}"
     # One Inception pass per image set gives every feature; torch-fidelity's metric functions then take the
     # features (its calculate_metrics would run one pass per feature extractor, i.e. twice).
-    extractor = create_feature_extractor(SFID_EXTRACTOR, ["2048", "logits_unbiased", SFID_FEATURE], **kwargs)
+    try:
+        extractor = create_feature_extractor(SFID_EXTRACTOR, ["2048", "logits_unbiased", SFID_FEATURE], **kwargs)
+    except OSError as error:  # urllib's URLError when the download fails, e.g. offline
+        raise SystemExit(f"fidelity: cannot download torch-fidelity's Inception weights ({error}); offline, copy "
+                         f"weights-inception-2015-12-05-6726825d.pth here and pass --weights <file>.") from None
     generated = extract_featuresdict_from_input_id_cached(1, extractor, **kwargs)
     real = extract_featuresdict_from_input_id_cached(2, extractor, **kwargs)
 
