@@ -26,6 +26,7 @@ from moh_lightning.layers.moh_attention import pop_load_balance_loss
 from moh_lightning.models.dit import DIT_CONFIGS, build_dit
 
 Sampler = Literal["ddpm", "ddim"]
+BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
 
 
 def _mean_flat(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +126,8 @@ class ClassConditionalDiffusion(LightningModule):
         num_train_timesteps: Steps of the forward process.
         beta_start: First beta of the linear schedule.
         beta_end: Last beta of the linear schedule.
+        beta_schedule: ``"linear"`` (DiT) or ``"squaredcos_cap_v2"``, the cosine schedule of Nichol & Dhariwal,
+            which keeps fewer steps at near-pure noise and suits small pixel-space images.
         sampler: Default sampler, ``"ddpm"`` (learned variance) or ``"ddim"`` (deterministic).
         sample_steps: Default number of respaced sampling steps.
         cfg_scale: Default classifier-free guidance scale (1 = no guidance).
@@ -145,6 +148,7 @@ class ClassConditionalDiffusion(LightningModule):
             num_train_timesteps: int = 1000,
             beta_start: float = 1e-4,
             beta_end: float = 0.02,
+            beta_schedule: BetaSchedule = "linear",
             sampler: Sampler = "ddpm",
             sample_steps: int = 250,
             cfg_scale: float = 1.0,
@@ -160,7 +164,7 @@ class ClassConditionalDiffusion(LightningModule):
         self.save_hyperparameters()
         self.model = build_dit(model, **{"input_size": input_size, "in_channels": in_channels,
                                          "num_classes": num_classes, **(model_args or {})})
-        self.noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule="linear",
+        self.noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                                              beta_start=beta_start, beta_end=beta_end, clip_sample=False)
         self.criterion = GaussianDiffusionLoss(self.noise_scheduler)
 
@@ -207,7 +211,7 @@ class ClassConditionalDiffusion(LightningModule):
         """A diffusers scheduler over ``steps`` evenly spaced timesteps of the training schedule."""
         sampler = sampler or self.hparams.sampler
         steps = steps or self.hparams.sample_steps
-        common = dict(num_train_timesteps=self.criterion.num_timesteps, beta_schedule="linear",
+        common = dict(num_train_timesteps=self.criterion.num_timesteps, beta_schedule=self.hparams.beta_schedule,
                       beta_start=self.hparams.beta_start, beta_end=self.hparams.beta_end,
                       clip_sample=self.hparams.clip_sample, timestep_spacing="linspace")
         if sampler == "ddpm":
