@@ -6,6 +6,7 @@ import json
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from moh_lightning.cli import main as moh
@@ -117,9 +118,12 @@ def test_convert_tool_and_continue_tuning_init(llama_folder, tmp_path):
 
     hf = LlamaForCausalLM.from_pretrained(llama_folder)
     task = LanguageModel(llm_config_from_hf(hf.config), init_from_hf=str(llama_folder))
+    task.configure_model()  # outside a fit: fresh weights
     assert not torch.equal(task.model.embed.weight, hf.model.embed_tokens.weight)
+    task = LanguageModel(llm_config_from_hf(hf.config), init_from_hf=str(llama_folder))
     task.trainer = L.Trainer(logger=False)
-    task.setup("fit")  # the continue-tuning config loads the pretrained weights here
+    task.trainer.state.fn = TrainerFn.FITTING
+    task.configure_model()  # a fresh fit of the continue-tuning config loads the pretrained weights here
     torch.testing.assert_close(task.model.blocks[1].mlp.down_proj.weight, hf.model.layers[1].mlp.down_proj.weight)
 
 

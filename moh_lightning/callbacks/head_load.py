@@ -73,12 +73,21 @@ class HeadLoadCallback(Callback):
         self._batches = 0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._window = self.log_every_n_steps or trainer.log_every_n_steps
+
+    def _find_layers(self, pl_module: LightningModule) -> None:
+        # Not in setup: a task may build its model later, in configure_model (the language model does).
         self._layers = moh_layers(pl_module)
         # The per-class figure shows routed heads, so it reads the deepest layer that has any (in the DiT
         # configs the last layers share every head, which would give an empty figure).
         routed = [layer for layer in self._layers if layer.router.num_routed_heads]
         self._plot_layer = routed[-1] if routed else None
-        self._window = self.log_every_n_steps or trainer.log_every_n_steps
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._find_layers(pl_module)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._find_layers(pl_module)
 
     @staticmethod
     def _layer_counts(layer: MoHAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from torchvision.utils import make_grid
 
 
@@ -49,6 +50,11 @@ class SampleGridCallback(Callback):
         self.fid_weights = fid_weights
         self._vae = None
         self._reference = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError("SampleGridCallback samples on rank 0 alone, which FSDP's sharded model cannot do: "
+                             "train with --trainer.strategy ddp, or remove the callback.")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step % self.every_n_steps or not trainer.is_global_zero:

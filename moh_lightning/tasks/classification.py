@@ -9,18 +9,17 @@ precision are Trainer settings in the configs.
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningModule
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 
 from moh_lightning.layers.moh_attention import pop_load_balance_loss
 from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.tasks.sharding import ShardableTask, weight_decay_groups
 
 
-class ImageClassifier(LightningModule):
+class ImageClassifier(ShardableTask):
     """Trains a (MoH) ViT classifier and reports top-1 / top-5 accuracy.
 
     Args:
@@ -118,8 +117,7 @@ class ImageClassifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        groups = param_groups_weight_decay(self.model, hp.weight_decay, self.model.no_weight_decay())
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr)
+        optimizer = torch.optim.AdamW(weight_decay_groups(self.model, hp.weight_decay), lr=hp.lr)
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
         steps_per_epoch = total_steps / max(self.trainer.max_epochs or 1, 1)
         scheduler = CosineLRScheduler(optimizer, t_initial=total_steps, lr_min=hp.min_lr,

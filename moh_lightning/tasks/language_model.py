@@ -12,14 +12,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 
 from moh_lightning.layers.moh_attention import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
+from moh_lightning.tasks.sharding import ShardableTask, weight_decay_groups
 
 
-class LanguageModel(LightningModule):
+class LanguageModel(ShardableTask):
     """Trains a (MoH) LLaMA decoder on next-token prediction.
+
+    The decoder is built in ``configure_model`` (Lightning calls it before the strategy wraps the module, and
+    ``load_from_checkpoint`` calls it too), so an 8B model is created once, in the precision plugin's dtype
+    (``bf16-true`` builds it in bf16), with its pretrained weights, right before FSDP shards it block by block.
 
     Args:
         llm: The architecture (``moh_lightning.models.llama.LLAMA_CONFIGS`` lists the named ones).
@@ -58,7 +63,7 @@ class LanguageModel(LightningModule):
         self.save_hyperparameters()
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.config = llm if isinstance(llm, LlamaConfig) else LlamaConfig(**llm)
-        self.model = MoHLlama(self.config)
+        self.model: MoHLlama | None = None
         self.tokens_seen = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -69,10 +74,20 @@ class LanguageModel(LightningModule):
         if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
             raise ValueError(f"model.init_args.llm.vocab_size={self.config.vocab_size} is smaller than the "
                              f"tokenizer's {data_vocab} tokens: set it to at least {data_vocab}.")
-        if stage == "fit" and self.hparams.init_from_hf and self.tokens_seen == 0:
+
+    def configure_model(self) -> None:
+        # Called again by each fit / validate and by callbacks (EMA): build once.
+        if self.model is not None:
+            return
+        model = MoHLlama(self.config)
+        # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and evaluation
+        # restore the trained ones.
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        if self.hparams.init_from_hf and fitting and self.trainer.ckpt_path is None:
             from moh_lightning.models.convert_llama import load_hf_weights
 
-            load_hf_weights(self.model, self.hparams.init_from_hf)
+            load_hf_weights(model, self.hparams.init_from_hf)
+        self.model = model
 
     def head_load_groups(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The mixture source of each sequence: head load is compared across corpora."""
@@ -124,14 +139,8 @@ class LanguageModel(LightningModule):
         return max(1, math.ceil(self.hparams.max_tokens / tokens_per_step))
 
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for param in self.model.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-        )
+        optimizer = torch.optim.AdamW(weight_decay_groups(self.model, self.hparams.weight_decay),
+                                      lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         schedule = warmup_cosine(self.hparams.lr, self.hparams.min_lr, self.hparams.warmup_init_lr,
                                  self.hparams.warmup_steps, self.total_steps())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step) / self.hparams.lr)
@@ -160,6 +169,7 @@ def load_language_model(checkpoint: str | Path, map_location: str = "cpu") -> tu
     hparams = dict(raw["hyper_parameters"])
     hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
     task = LanguageModel(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    task.configure_model()
     task.load_state_dict(raw["state_dict"])
     task.tokens_seen = raw.get("tokens_seen", 0)
     return task.eval(), data_hparams
