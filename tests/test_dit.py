@@ -102,9 +102,8 @@ def test_variational_bound_vanishes_for_the_true_posterior():
 
 
 @pytest.mark.parametrize("name", ["dit_mnist_90", "dit_mnist_75", "dit_mnist_100"])
-def test_shipped_mnist_configs_train_one_step(name, tmp_path):
-    main(["fit", "--config", name, "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}",
-          f"--trainer.logger.init_args.save_dir={tmp_path}"])
+def test_shipped_mnist_configs_train_one_step(name, run_dir):
+    main(["fit", "--config", name, "--trainer.fast_dev_run=1"])
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in config_dir().glob("dit_*.yaml") if "mnist" not in p.name))
@@ -115,22 +114,19 @@ def test_shipped_imagenet_configs_parse(path, capsys):
     assert "ClassConditionalDiffusion" in capsys.readouterr().out
 
 
-def test_fit_ema_checkpoint_sample_and_grid(tmp_path):
-    root = tmp_path / "run"
+def test_fit_ema_checkpoint_sample_and_grid(run_dir):
     main(["fit", "--config", "dit_mnist_90", "--trainer.max_steps=3", "--trainer.max_time=null",
-          "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
-          f"--trainer.logger.init_args.save_dir={root}", f"--trainer.default_root_dir={root}",
-          "--data.init_args.batch_size=8",
+          "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--data.init_args.batch_size=8",
           "--trainer.callbacks+=moh_lightning.callbacks.sample_grid.SampleGridCallback",
           "--trainer.callbacks.every_n_steps=2", "--trainer.callbacks.num_per_class=1",
           "--trainer.callbacks.steps=2"])
-    checkpoint = next(root.rglob("last.ckpt"))
+    checkpoint = next(run_dir.rglob("last.ckpt"))
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     assert "current_model_state" in state, "EMAWeightAveraging did not write the EMA weights as state_dict"
-    events = next(root.rglob("events.out.tfevents*"))
+    events = next(run_dir.rglob("events.out.tfevents*"))
     assert b"samples/grid" in events.read_bytes()
 
-    out = tmp_path / "samples"
+    out = run_dir / "samples"
     main(["sample", "--checkpoint", str(checkpoint), "--out_dir", str(out), "--num_samples", "4",
           "--classes", "[3, 7]", "--steps", "3", "--batch_size", "3", "--cfg_scale", "2.0"])
     data = np.load(out / "samples.npz")
@@ -146,7 +142,7 @@ def test_fit_ema_checkpoint_sample_and_grid(tmp_path):
     torch.testing.assert_close(a, b)
     assert a.shape == (2, 1, 32, 32) and a.abs().max() <= 1.0 + 1e-6
     with pytest.raises(SystemExit, match="--checkpoint"):
-        main(["sample", "--checkpoint", str(tmp_path / "missing.ckpt")])
+        main(["sample", "--checkpoint", str(run_dir / "missing.ckpt")])
 
 
 def test_latent_cache_encodes_once_with_flips(tmp_path):
