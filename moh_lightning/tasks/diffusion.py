@@ -273,9 +273,9 @@ def sample(
         out_dir: str = "samples",
         num_samples: int = 100,
         classes: list[int] | None = None,
-        cfg_scale: float = 1.5,
-        sampler: Sampler = "ddpm",
-        steps: int = 250,
+        cfg_scale: float | None = None,
+        sampler: Sampler | None = None,
+        steps: int | None = None,
         seed: int = 0,
         batch_size: int = 50,
         vae: str | None = None,
@@ -292,9 +292,9 @@ def sample(
         out_dir: Folder for the outputs (created).
         num_samples: Number of images.
         classes: Conditioning classes, repeated in turn to ``num_samples``; drawn uniformly when omitted.
-        cfg_scale: Classifier-free guidance scale (1 disables guidance).
-        sampler: ``ddpm`` (learned variance, ancestral) or ``ddim`` (deterministic).
-        steps: Respaced sampling steps (DiT uses 250 DDPM steps).
+        cfg_scale: Classifier-free guidance scale (1 disables guidance); omitted: the checkpoint's ``cfg_scale``.
+        sampler: ``ddpm`` (learned variance, ancestral) or ``ddim`` (deterministic); omitted: the checkpoint's.
+        steps: Respaced sampling steps (DiT uses 250 DDPM steps); omitted: the checkpoint's ``sample_steps``.
         seed: Seed of the noise and of drawn classes.
         batch_size: Images sampled at once.
         vae: Hub id or local folder of the AutoencoderKL that decodes latents; omitted: the one the checkpoint's
@@ -307,6 +307,9 @@ def sample(
         raise SystemExit(f"sample: --checkpoint {checkpoint}: no such file; pass a .ckpt written by `moh fit`.")
     task = ClassConditionalDiffusion.load_from_checkpoint(path, map_location=device, weights_only=False)
     task.eval()
+    cfg_scale = task.hparams.cfg_scale if cfg_scale is None else cfg_scale
+    sampler = sampler or task.hparams.sampler
+    steps = steps or task.hparams.sample_steps
     if vae is None:
         data_hparams = torch.load(path, map_location="cpu", weights_only=False).get("datamodule_hyper_parameters", {})
         vae = data_hparams.get("vae")
