@@ -101,6 +101,38 @@ def test_variational_bound_vanishes_for_the_true_posterior():
     assert torch.isfinite(decoder["vb"]).all() and (decoder["vb"] >= 0).all()
 
 
+def _tiny_task(**kwargs) -> ClassConditionalDiffusion:
+    return ClassConditionalDiffusion(model="DiT-T/4", model_args={"depth": 1, "hidden_size": 32, "num_heads": 2},
+                                     input_size=8, in_channels=1, num_classes=3, **kwargs)
+
+
+def test_min_snr_weighting_scales_only_the_mse_term():
+    batch = (torch.rand(16, 1, 8, 8) * 2 - 1, torch.randint(0, 3, (16,)))
+    plain, weighted = _tiny_task(), _tiny_task(snr_gamma=1.0)
+    weighted.load_state_dict(plain.state_dict())
+    torch.manual_seed(0)
+    reference = plain._diffusion_loss(batch)
+    torch.manual_seed(0)
+    t = torch.randint(0, 1000, (16,))  # the draw _diffusion_loss makes first
+    torch.manual_seed(0)
+    losses = weighted._diffusion_loss(batch)
+    snr = weighted.noise_scheduler.alphas_cumprod[t] / (1 - weighted.noise_scheduler.alphas_cumprod[t])
+    assert (snr > 1).any() and (snr < 1).any()
+    torch.testing.assert_close(losses["mse"], reference["mse"])
+    assert losses["loss"] < reference["loss"]  # nearly clean steps (SNR > 1) count less
+    with pytest.raises(ValueError, match="snr_gamma"):
+        _tiny_task(snr_gamma=0.0)
+
+
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim"])
+def test_sampling_uses_the_training_noise_schedule(sampler):
+    task = _tiny_task(beta_schedule="squaredcos_cap_v2")
+    linear = _tiny_task()
+    assert not torch.allclose(task.noise_scheduler.alphas_cumprod, linear.noise_scheduler.alphas_cumprod)
+    torch.testing.assert_close(task.sampling_scheduler(sampler, 10).alphas_cumprod,
+                               task.noise_scheduler.alphas_cumprod)
+
+
 @pytest.mark.parametrize("name", ["dit_mnist_90", "dit_mnist_75", "dit_mnist_100"])
 def test_shipped_mnist_configs_train_one_step(name, run_dir):
     main(["fit", "--config", name, "--trainer.fast_dev_run=1"])
@@ -133,7 +165,8 @@ def test_fit_ema_checkpoint_sample_and_grid(run_dir):
     assert data["arr_0"].shape == (4, 32, 32, 3) and data["arr_0"].dtype == np.uint8
     assert data["arr_1"].tolist() == [3, 7, 3, 7]
     assert len(list((out / "images").glob("*.png"))) == 4 and (out / "grid.png").is_file()
-    assert json.loads((out / "sample_args.json").read_text())["cfg_scale"] == 2.0
+    sample_args = json.loads((out / "sample_args.json").read_text())
+    assert sample_args["cfg_scale"] == 2.0 and sample_args["sampler"] == "ddpm"  # the config's, when not given
 
     task = ClassConditionalDiffusion.load_from_checkpoint(checkpoint, weights_only=False)
     labels = torch.tensor([1, 2])
