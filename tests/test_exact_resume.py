@@ -18,6 +18,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from faults import CrashAtStep, CrashInValidation
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
 from moh_lightning.cli import MoHLightningCLI, resolve_config
 
@@ -43,28 +44,6 @@ RELIABILITY = [
 # EMA from step 2, so that it has averaged several steps when each checkpoint is written.
 EMA = {"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging",
        "init_args": {"decay": 0.9, "update_starting_at_step": 2}}
-
-
-class CrashAtStep(Callback):
-    """Raises before training step ``step``, as a crash or kill mid-epoch would stop the run."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError(f"injected crash at step {self.step}")
-
-
-class CrashInValidation(Callback):
-    """Raises in the validation after training step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.global_step == self.step and not trainer.sanity_checking:
-            raise RuntimeError(f"injected crash in the validation at step {self.step}")
 
 
 class RecordTokens(Callback):

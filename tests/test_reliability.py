@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, TensorDataset
 
+from faults import CrashAtStep
 from moh_lightning import MoHAttention, checkpoint_io
 from moh_lightning.callbacks import FiniteLossGuard, HeadLoadCallback, StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
@@ -88,17 +89,6 @@ def test_process_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     assert torch.load(path)["step"] == 1
     # The interrupted write stays behind as a hidden temporary file that no checkpoint lookup matches.
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ckpt") == ["last.ckpt"]
-
-
-class CrashAtStep(Callback):
-    """Raises before training step ``step``, as a crash or kill mid-epoch would stop the run."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError(f"injected crash at step {self.step}")
 
 
 def _train(folder, monkeypatch, *args: str, crash_at: int | None = None, ckpt_path: str | None = None):
