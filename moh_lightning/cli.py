@@ -20,14 +20,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
-    "bench": "moh_lightning.bench:bench",
-    "sample": "moh_lightning.tasks.diffusion:sample",
-    "fidelity": "moh_lightning.evaluation.fidelity:fidelity",
-    "digit_quality": "moh_lightning.evaluation.digit_quality:digit_quality",
-    "generate": "moh_lightning.tasks.language_model:generate",
-    "convert-llama": "moh_lightning.models.convert_llama:convert_llama",
-    "export-hf": "moh_lightning.models.convert_llama:export_checkpoint",
-    "lm-eval": "moh_lightning.evaluation.lm_eval:lm_eval",
+    "bench": "moh_lightning.tools.bench:bench",
+    "sample": "moh_lightning.tools.sample:sample",
+    "fidelity": "moh_lightning.tools.fidelity:fidelity",
+    "digit_quality": "moh_lightning.tools.digit_quality:digit_quality",
+    "generate": "moh_lightning.tools.generate:generate",
+    "convert-llama": "moh_lightning.tools.export:convert_llama",
+    "export-hf": "moh_lightning.tools.export:export_checkpoint",
+    "lm-eval": "moh_lightning.tools.lm_eval:lm_eval",
 }
 
 _CONFIG_FLAGS = ("--config", "-c")

@@ -13,7 +13,8 @@ import torch
 from moh_lightning.cli import config_dir, main
 from moh_lightning.layers.moh_attention import MoHAttention, activated_head_fraction
 from moh_lightning.models.dit import DIT_CONFIGS, DiT, build_dit, sincos_pos_embed_2d
-from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, GaussianDiffusionLoss
+from moh_lightning.diffusion import GaussianDiffusionLoss
+from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
 TINY = dict(input_size=8, patch_size=2, in_channels=2, hidden_size=32, depth=3, num_heads=4, num_classes=5)
 

@@ -169,7 +169,7 @@ def test_auto_chooses_from_shapes():
 
 
 def test_bench_quick_writes_report(tmp_path):
-    from moh_lightning.bench import bench
+    from moh_lightning.tools.bench import bench
 
     threads = torch.get_num_threads()
     try:

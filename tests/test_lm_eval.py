@@ -11,7 +11,7 @@ from lm_eval.api.instance import Instance
 
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule, TextSource
-from moh_lightning.evaluation.lm_eval import MoHLM
+from moh_lightning.tools.lm_eval import MoHLM
 from moh_lightning.models.llama import llama_config
 from moh_lightning.tasks.language_model import LanguageModel
 

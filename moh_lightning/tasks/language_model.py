@@ -8,7 +8,6 @@ tokens have been consumed. Loss, perplexity and, for the byte tokenizer, bits pe
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -159,64 +158,4 @@ def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, t
     return at
 
 
-def load_language_model(checkpoint: str | Path, map_location: str = "cpu") -> tuple[LanguageModel, dict]:
-    """A trained ``LanguageModel`` in eval mode and its data module's hyper-parameters (tokenizer, ...)."""
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint}: no such file; give a .ckpt written by `moh fit`.")
-    raw = torch.load(path, map_location=map_location, weights_only=False)
-    data_hparams = dict(raw.get("datamodule_hyper_parameters") or {})
-    hparams = dict(raw["hyper_parameters"])
-    hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
-    task = LanguageModel(**{k: v for k, v in hparams.items() if not k.startswith("_")})
-    task.configure_model()
-    task.load_state_dict(raw["state_dict"])
-    task.tokens_seen = raw.get("tokens_seen", 0)
-    return task.eval(), data_hparams
-
-
-def generate(
-        checkpoint: str,
-        prompt: str = "def ",
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k: int | None = 50,
-        top_p: float = 1.0,
-        seed: int = 0,
-        num_samples: int = 1,
-        tokenizer: str | None = None,
-) -> list[str]:
-    """Continues a prompt with a trained MoH language model, decoding through the KV cache.
-
-    Args:
-        checkpoint: A ``.ckpt`` written by ``moh fit`` with a LanguageModel.
-        prompt: Text to continue.
-        max_new_tokens: Tokens to generate (fewer if EOS comes first or the context is full).
-        temperature: Softmax temperature; 0 is greedy decoding.
-        top_k: Sample among the k most likely tokens; None for all.
-        top_p: Nucleus sampling mass; 1.0 turns it off.
-        seed: Random seed of the sampler.
-        num_samples: Continuations to draw.
-        tokenizer: Tokenizer name or folder; the one the model was trained with when None.
-    """
-    from moh_lightning.data.text import load_tokenizer
-
-    task, data_hparams = load_language_model(checkpoint)
-    tokenizer_name = tokenizer or data_hparams.get("tokenizer")
-    if tokenizer_name is None:
-        raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass --tokenizer.")
-    tok = load_tokenizer(tokenizer_name)
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ValueError("--prompt is empty after tokenisation: give some text to continue.")
-    idx = torch.tensor([ids] * num_samples)
-    out = task.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              eos_id=tok.eos_token_id, seed=seed)
-    texts = [tok.decode(row[len(ids):].tolist(), skip_special_tokens=True) for row in out]
-    for text in texts:
-        print(prompt + text)
-        print("-" * 40)
-    return texts
-
-
-__all__ = ["LanguageModel", "generate", "load_language_model", "warmup_cosine"]
+__all__ = ["LanguageModel", "warmup_cosine"]

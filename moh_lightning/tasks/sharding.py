@@ -1,7 +1,6 @@
 """What every task needs to train unchanged under Lightning's FSDPStrategy as well as DDP or one device."""
 from __future__ import annotations
 
-import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.strategies import FSDPStrategy

@@ -214,7 +214,7 @@ def _layer_section(report: Report, lengths, repeats, warmup) -> None:
 _MEMORY_PROBE = """
 import contextlib, json, re, sys, torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from moh_lightning.bench import _layer, BATCH, HEADS, HEAD_DIM
+from moh_lightning.tools.bench import _layer, BATCH, HEADS, HEAD_DIM
 causal, dense, execution, length, materialised = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 layer = _layer(causal, dense, execution)
