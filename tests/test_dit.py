@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moh_lightning.cli import config_dir, main
-from moh_lightning.layers.moh_attention import MoHAttention, activated_head_fraction
+from moh_lightning.layers import MoHAttention, activated_head_fraction
 from moh_lightning.models.dit import DIT_CONFIGS, DiT, build_dit, sincos_pos_embed_2d
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion

@@ -21,7 +21,7 @@ from moh_lightning.data.text import (
     load_tokenizer,
     tokenize_source,
 )
-from moh_lightning.layers.moh_attention import activated_head_fraction
+from moh_lightning.layers import activated_head_fraction
 from moh_lightning.models.llama import LLAMA_CONFIGS, LlamaConfig, MoHLlama, llama_config, sample
 from moh_lightning.tasks.language_model import LanguageModel, warmup_cosine
 from moh_lightning.tools.checkpoints import load_language_model

@@ -17,7 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib.figure import Figure
 
-from moh_lightning.layers.moh_attention import MoHAttention, moh_layers
+from moh_lightning.layers import MoHAttention, moh_layers
 
 log = logging.getLogger(__name__)
 

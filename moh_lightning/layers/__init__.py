@@ -1,19 +1,20 @@
-"""Layers shared by every task: the MoH attention block."""
+"""Layers shared by every task: the MoH attention block, its routers, head budgets and KV cache.
+
+Import from here rather than from the files: one concept per file, and which file a name lives in may change.
+"""
+from moh_lightning.layers.budgets import check_head_budget, layerwise
+from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.moh_attention import (
-    KVCache,
+    ExecutionMode,
     MoHAttention,
-    MoHRouter,
-    QueryNormRouter,
-    RouterOutput,
     activated_head_fraction,
-    check_head_budget,
-    layerwise,
-    load_balance_loss,
     moh_layers,
     pop_load_balance_loss,
 )
+from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterOutput, RouterType, load_balance_loss
 
 __all__ = [
-    "KVCache", "MoHAttention", "MoHRouter", "QueryNormRouter", "RouterOutput", "activated_head_fraction",
-    "check_head_budget", "layerwise", "load_balance_loss", "moh_layers", "pop_load_balance_loss",
+    "ExecutionMode", "KVCache", "MoHAttention", "MoHRouter", "QueryNormRouter", "RouterOutput", "RouterType",
+    "activated_head_fraction", "check_head_budget", "layerwise", "load_balance_loss", "moh_layers",
+    "pop_load_balance_loss",
 ]

@@ -9,190 +9,25 @@ weights before the output projection (paper Eq. 4)::
 ``MoHAttention`` is a drop-in for ``timm.layers.Attention``: the attention weights carry timm's names and
 shapes (``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), the routers live in ``router``, so a timm
 state dict loads into it (routers freshly initialised) and ``dense=True`` computes exactly timm's output.
-The block knows nothing of tasks: ViT, DiT and the decoder LM all use it.
+The block knows nothing of tasks: ViT, DiT and the decoder LM all use it. Its routers, head budgets and
+KV cache live beside it in ``routers.py``, ``budgets.py`` and ``kv_cache.py``; this file holds the block and
+the helpers that walk a model's blocks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moh_lightning.layers.budgets import check_head_budget
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
+from moh_lightning.layers.kv_cache import KVCache
+from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterType
 
-RouterType = Literal["learned", "query_norm"]
 ExecutionMode = Literal["auto", "dense", "sparse"]
-
-
-class KVCache(nn.Module):
-    """Keys and values of the tokens decoded so far, for one attention layer.
-
-    Preallocated to ``max_len`` so a decode step writes in place instead of concatenating.
-    """
-
-    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 device=None, dtype=None) -> None:
-        super().__init__()
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends ``k, v`` (B, h_kv, n, d) and returns every cached key and value so far."""
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KVCache holds {self.max_len} positions; decoding position {end - 1} needs a "
-                             f"larger cache (raise max_len / max_seq_len).")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-class RouterOutput:
-    """Per-token head gates (B, N, h), zero where a head is off, and the layer's load-balance loss."""
-
-    __slots__ = ("gates", "load_balance_loss")
-
-    def __init__(self, gates: torch.Tensor, load_balance_loss: torch.Tensor | None) -> None:
-        self.gates = gates
-        self.load_balance_loss = load_balance_loss
-
-
-def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.Tensor | None,
-                      top_k: int) -> torch.Tensor:
-    """Paper Eq. 7 over the routed heads, scaled by E / k so that a perfectly balanced router gives 1.
-
-    ``probs`` (T, E) are the routed-head softmax scores, ``selected`` (T, E) the top-k indicator and
-    ``valid`` (T,) marks real (non-padding) tokens. f_i is the fraction of tokens selecting head i (it sums
-    to k over heads), P_i the mean score; balanced routing has f_i = k / E and P_i = 1 / E. Under
-    torch.distributed with several processes, f_i counts the tokens of every rank while P_i stays local.
-    """
-    num_routed = probs.shape[-1]
-    weight = probs.new_ones(probs.shape[0], 1) if valid is None else valid.to(probs.dtype)[:, None]
-    # Counts in float32: in bf16 a sum over more than 256 tokens would round.
-    counts = torch.cat([(selected.float() * weight.float()).sum(0), weight.float().sum()[None]])  # (E + 1,)
-    local_tokens = counts[-1].clamp_min(1.0).to(probs.dtype)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        # f_i from global counts (no gradient flows through them) and P_i local: DDP averages the ranks'
-        # gradients, and the mean over ranks of the per-rank losses is the 1-process loss over all ranks'
-        # tokens when every rank holds the same number of tokens (the mean of the local P_i is then the
-        # global P_i). Every rank reaches this call in the same order, as DDP's own all-reduces do.
-        counts = counts.detach().clone()
-        torch.distributed.all_reduce(counts)
-    fraction = (counts[:-1] / counts[-1].clamp_min(1.0)).to(probs.dtype)
-    mean_prob = (probs * weight).sum(0) / local_tokens
-    return (fraction * mean_prob).sum() * (num_routed / top_k)
-
-
-def _select_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Boolean (T, E) mask of each token's ``top_k`` highest-scoring routed heads."""
-    indices = probs.topk(top_k, dim=-1).indices
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, indices, True)
-
-
-class MoHRouter(nn.Module):
-    """Two-stage MoH router (paper Eq. 5-6) with the authors' gate scaling.
-
-    Shared gates are softmax(W_s x) * h_s, routed gates are softmax(W_r x) kept on the top-k, renormalised
-    over them and multiplied by k; the two groups are weighted by 2 * alpha_1 and 2 * alpha_2 with
-    [alpha_1, alpha_2] = softmax(W_h x). A uniform router therefore gives every active head gate 1, which is
-    multi-head attention's plain sum. ``two_stage=False`` fixes alpha_1 = alpha_2 = 1/2 (the Tab. 6 ablation).
-    """
-
-    def __init__(self, dim: int, num_heads: int, num_shared_heads: int, top_k: int, two_stage: bool = True,
-                 device=None, dtype=None) -> None:
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        self.num_heads = num_heads
-        self.num_shared_heads = num_shared_heads
-        self.num_routed_heads = num_heads - num_shared_heads
-        self.top_k = top_k
-        # A router over a single head would be a softmax over one logit: constant 1, so none is built.
-        self.shared_router = nn.Linear(dim, num_shared_heads, bias=False, **dd) if num_shared_heads > 1 else None
-        self.routed_router = nn.Linear(dim, self.num_routed_heads, bias=False, **dd) if self.num_routed_heads else None
-        has_both = num_shared_heads > 0 and self.num_routed_heads > 0
-        self.type_router = nn.Linear(dim, 2, bias=False, **dd) if two_stage and has_both else None
-
-    def forward(self, x: torch.Tensor, q: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None) -> RouterOutput:
-        tokens = x.reshape(-1, x.shape[-1])                                           # (T, C)
-        loss = shared = routed = None
-        if self.num_shared_heads:
-            if self.shared_router is not None:
-                shared = self.shared_router(tokens).softmax(-1) * self.num_shared_heads
-            else:
-                shared = tokens.new_ones(tokens.shape[0], 1)
-        if self.routed_router is not None:
-            probs = self.routed_router(tokens).softmax(-1)                          # (T, E)
-            selected = _select_top_k(probs, self.top_k)
-            kept = probs * selected
-            routed = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps) * self.top_k
-            if self.training and self.top_k < self.num_routed_heads:
-                loss = load_balance_loss(probs, selected, valid, self.top_k)
-        if self.type_router is not None:
-            alpha = self.type_router(tokens).softmax(-1) * 2
-            shared, routed = shared * alpha[:, :1], routed * alpha[:, 1:]
-        groups = [g for g in (shared, routed) if g is not None]
-        gates = torch.cat(groups, dim=-1).reshape(*x.shape[:-1], self.num_heads)
-        return RouterOutput(gates, loss)
-
-
-class _StraightThrough(torch.autograd.Function):
-    """Forward: the {0, 1} selection; backward: the gradient of the real-valued score (paper Eq. 9-10)."""
-
-    @staticmethod
-    def forward(ctx, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-        return selected.to(scores.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class QueryNormRouter(nn.Module):
-    """Parameter-free router for continue-tuning a pretrained model into MoH (paper section 4.4).
-
-    Each routed head is scored by the l2 norm of its query, divided by the standard deviation of those norms
-    across the routed heads (as the authors' MoH-LLaMA3 code does); the top-k get gate 1, the others 0, and
-    shared heads always 1, so with every head active the layer is exactly the pretrained one. The quantised
-    gates pass the scores' gradient straight through.
-    """
-
-    def __init__(self, num_heads: int, num_shared_heads: int, top_k: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_shared_heads = num_shared_heads
-        self.num_routed_heads = num_heads - num_shared_heads
-        self.top_k = top_k
-
-    def forward(self, x: torch.Tensor, q: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None) -> RouterOutput:
-        if q is None:
-            raise ValueError("QueryNormRouter scores heads by their queries: pass q (B, h, N, d).")
-        batch, _, length, _ = q.shape
-        shared = q.new_ones(batch * length, self.num_shared_heads)
-        if not self.num_routed_heads:
-            return RouterOutput(shared.reshape(batch, length, self.num_heads), None)
-        norms = q[:, self.num_shared_heads:].float().norm(dim=-1)                  # (B, E, N)
-        norms = norms.permute(0, 2, 1).reshape(batch * length, self.num_routed_heads)
-        logits = norms / norms.std(-1, keepdim=True).clamp_min(1e-6)
-        probs = logits.softmax(-1)
-        selected = _select_top_k(probs, self.top_k)
-        routed = _StraightThrough.apply(probs, selected).to(q.dtype)
-        loss = None
-        if self.training and self.top_k < self.num_routed_heads:
-            loss = load_balance_loss(probs, selected, valid, self.top_k)
-        gates = torch.cat([shared, routed], dim=-1).reshape(batch, length, self.num_heads)
-        return RouterOutput(gates, loss)
 
 
 class MoHAttention(nn.Module):
@@ -387,55 +222,6 @@ def _attention_mask(attn_mask: torch.Tensor | None, padding_mask: torch.Tensor |
     return attn_mask.masked_fill(~allowed, float("-inf"))
 
 
-def check_head_budget(num_heads: int, num_shared_heads: int, top_k: int | None, where: str = "") -> int:
-    """Validates one layer's head budget and returns its top-k; errors name the offending key."""
-    at = f" ({where})" if where else ""
-    if num_heads < 1:
-        raise ValueError(f"num_heads={num_heads}{at} must be at least 1.")
-    if not 0 <= num_shared_heads <= num_heads:
-        raise ValueError(f"num_shared_heads={num_shared_heads}{at} must be between 0 and num_heads={num_heads}.")
-    num_routed = num_heads - num_shared_heads
-    if top_k is None:
-        top_k = num_routed
-    if num_routed and not 1 <= top_k <= num_routed:
-        raise ValueError(f"top_k={top_k}{at} must be between 1 and the {num_routed} routed heads "
-                         f"(num_heads={num_heads} - num_shared_heads={num_shared_heads}).")
-    if not num_routed and top_k:
-        raise ValueError(f"top_k={top_k}{at}: every head is shared (num_shared_heads={num_shared_heads}), "
-                         f"so set top_k: 0 or fewer shared heads.")
-    return top_k
-
-
-def layerwise(num_shared_heads: Sequence[int], top_k: Sequence[int], **kwargs) -> type[MoHAttention]:
-    """A ``MoHAttention`` class whose successive instances take successive per-layer head budgets.
-
-    timm builds its blocks in depth order through the ``attn_layer`` hook and requires a class there, so the
-    per-layer budgets of the paper's configurations (e.g. fewer active heads in shallow layers) ride on the
-    class. ``kwargs`` are shared by every layer. Building more layers than budgets is an error.
-    """
-    if len(num_shared_heads) != len(top_k):
-        raise ValueError(f"num_shared_heads has {len(num_shared_heads)} entries but top_k has {len(top_k)}: "
-                         f"give one budget per layer in both.")
-    budgets = list(zip(num_shared_heads, top_k))
-    counter = {"built": 0}
-
-    class LayerwiseMoHAttention(MoHAttention):
-        def __init__(self, dim: int, num_heads: int = 8, **layer_kwargs) -> None:
-            index = counter["built"]
-            if index >= len(budgets):
-                raise ValueError(f"{len(budgets)} per-layer head budgets given but layer {index} was built: "
-                                 f"give one entry per layer in num_shared_heads and top_k.")
-            shared, k = budgets[index]
-            if not kwargs.get("dense", False):
-                check_head_budget(num_heads, shared, k, where=f"layer {index}")
-            counter["built"] += 1
-            super().__init__(dim, num_heads, **{**kwargs, **layer_kwargs, "num_shared_heads": shared, "top_k": k})
-
-    LayerwiseMoHAttention.num_budgets = len(budgets)
-    LayerwiseMoHAttention.built = staticmethod(lambda: counter["built"])
-    return LayerwiseMoHAttention
-
-
 def moh_layers(model: nn.Module) -> list[MoHAttention]:
     """Every routed ``MoHAttention`` in ``model``, in module order (dense layers excluded)."""
     return [m for m in model.modules() if isinstance(m, MoHAttention) and m.is_moh]
@@ -461,9 +247,3 @@ def activated_head_fraction(model: nn.Module) -> float:
     layers = [m for m in model.modules() if isinstance(m, MoHAttention)]
     total = sum(m.num_heads for m in layers)
     return sum(m.active_heads for m in layers) / total if total else 1.0
-
-
-__all__ = [
-    "KVCache", "MoHAttention", "MoHRouter", "QueryNormRouter", "RouterOutput", "activated_head_fraction",
-    "check_head_budget", "layerwise", "load_balance_loss", "moh_layers", "pop_load_balance_loss",
-]

@@ -18,7 +18,7 @@ import torch
 from timm.layers import Mlp, PatchEmbed
 from torch import nn
 
-from moh_lightning.layers.moh_attention import MoHAttention, check_head_budget
+from moh_lightning.layers import MoHAttention, check_head_budget
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moh_lightning.layers.moh_attention import ExecutionMode, KVCache, MoHAttention, check_head_budget
+from moh_lightning.layers import ExecutionMode, KVCache, MoHAttention, check_head_budget
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from timm.models.vision_transformer import VisionTransformer
 
-from moh_lightning.layers.moh_attention import ExecutionMode, MoHAttention, check_head_budget, layerwise
+from moh_lightning.layers import ExecutionMode, MoHAttention, check_head_budget, layerwise
 
 
 @dataclass

@@ -14,7 +14,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 
-from moh_lightning.layers.moh_attention import pop_load_balance_loss
+from moh_lightning.layers import pop_load_balance_loss
 from moh_lightning.models.vit import ViTConfig, create_vit
 from moh_lightning.tasks.sharding import ShardableTask, weight_decay_groups
 

@@ -17,7 +17,7 @@ from diffusers.training_utils import compute_snr
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
-from moh_lightning.layers.moh_attention import pop_load_balance_loss
+from moh_lightning.layers import pop_load_balance_loss
 from moh_lightning.models.dit import DIT_CONFIGS, build_dit
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.tasks.sharding import ShardableTask

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 
-from moh_lightning.layers.moh_attention import activated_head_fraction, pop_load_balance_loss
+from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
 from moh_lightning.tasks.sharding import ShardableTask, weight_decay_groups
 

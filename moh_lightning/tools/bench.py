@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moh_lightning.layers import KVCache, MoHAttention, MoHRouter
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention
-from moh_lightning.layers.moh_attention import KVCache, MoHAttention, MoHRouter
 
 HEADS, HEAD_DIM, BATCH, SHARED = 8, 64, 4, 2
 # Activated fraction -> routed top-k with 2 shared of 8 heads; 90% is not a whole number of 8 heads, so the
