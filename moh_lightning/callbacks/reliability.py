@@ -15,11 +15,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 class StepCheckpoint(ModelCheckpoint):
     """Checkpoints every ``every_n_train_steps`` steps, keeping the newest ``keep``, plus ``last.ckpt``.
 
-    ``last.ckpt`` is rewritten at every save and at the end of fit. ``dirpath`` should not change between runs
-    (no logger version in it) so that ``--ckpt_path last`` finds the newest state to resume from.
+    ``last.ckpt`` is rewritten at every save and at the end of fit. ``dirpath`` defaults to the run folder's
+    ``checkpoints/`` (``runs/<name>/version_N/checkpoints``), where ``moh fit --ckpt_path last`` looks for it.
     """
 
-    def __init__(self, dirpath: str, every_n_train_steps: int = 1000, keep: int = 3) -> None:
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 1000, keep: int = 3) -> None:
         if every_n_train_steps < 1 or keep < 1:
             raise ValueError(f"StepCheckpoint every_n_train_steps={every_n_train_steps} and keep={keep} must both "
                              f"be at least 1.")
