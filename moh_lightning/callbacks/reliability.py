@@ -6,10 +6,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+
+from moh_lightning.callbacks import lightning_compat as compat
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -30,8 +31,7 @@ class StepCheckpoint(ModelCheckpoint):
                            batch_idx: int) -> None:
         # When a validation follows this batch, save after it instead: resuming from a checkpoint written before
         # it, Lightning skips that validation, so a run killed during it would never log it.
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        if not compat.validation_follows_batch(trainer):
             self._save_if_due(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -39,34 +39,31 @@ class StepCheckpoint(ModelCheckpoint):
             self._save_if_due(trainer)
 
     def _save_if_due(self, trainer: Trainer) -> None:
-        if self._should_skip_saving_checkpoint(trainer):
+        if compat.skips_saving(self, trainer):
             return
-        candidates = self._monitor_candidates(trainer)
-        if trainer.global_step % self._every_n_train_steps == 0:
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        if trainer.global_step % compat.every_n_train_steps(self) == 0:
+            compat.save_topk_and_last(self, trainer)
         elif _stops_after_this_batch(trainer):
             # The final `last` is written here rather than in on_train_end: by then EMAWeightAveraging has copied
             # the average over the training weights, and a run resumed from it (with a larger max_steps) would
             # train on from the average instead of the weights.
-            self._save_last_checkpoint(trainer, candidates)
+            compat.save_last(self, trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         # Any other stop (max_time, ...): ModelCheckpoint saves `last` at the end only if it never saved before,
         # which would lose the steps after the last multiple of every_n_train_steps.
-        if self._last_global_step_saved != trainer.global_step and not trainer.fast_dev_run:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if compat.last_saved_step(self) != trainer.global_step and not trainer.fast_dev_run:
+            compat.save_last(self, trainer)
 
 
 def _stops_after_this_batch(trainer: Trainer) -> bool:
     """Whether fit ends after the current batch: max_steps reached, a stop requested, or the last epoch's end."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if epoch_loop._should_accumulate():
+    if compat.accumulates_gradients(trainer):
         return False
     last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
     return (0 <= trainer.max_steps <= trainer.global_step or trainer.should_stop
-            or last_epoch and epoch_loop.batch_progress.is_last_batch)
+            or last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
 class ExactResumeCallback(Callback):
@@ -104,15 +101,10 @@ class ExactResumeCallback(Callback):
         self._to_restore = states[trainer.global_rank]
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        fit_loop = trainer.fit_loop
         # Lightning applies the loaders' saved positions when it first builds the train loader. A task that
         # reads trainer.estimated_stepping_batches in configure_optimizers builds it before the loop states are
         # restored, and the positions are dropped: the resumed epoch would restart from its first batch.
-        if fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
-            fit_loop._load_combined_loader_states()
-            for loader in fit_loop._combined_loader.flattened:
-                _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
-            iter(fit_loop._data_fetcher)
+        compat.restore_train_loader_position(trainer)
         if self._to_restore is not None:
             _set_rng_states(self._to_restore)
             self._to_restore = None

@@ -1,0 +1,81 @@
+"""Every use of Lightning's private API, in one place, behind functions named for what they stand for.
+
+The reliability callbacks need a few things Lightning does not expose publicly (when a validation follows a
+batch, putting a resumed train loader back at its position, ModelCheckpoint's own saving steps). Private names
+may change in any Lightning release, so they are all here and listed in ``PRIVATE_LIGHTNING_NAMES``;
+``tests/test_lightning_compat.py`` fails when the installed Lightning no longer has one of them, and
+pyproject.toml caps Lightning at the versions that test has passed on.
+"""
+from __future__ import annotations
+
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+# Import path of every private Lightning name used below: ``module.function`` or ``module.Class.attribute``
+# (attributes that Lightning sets on instances included).
+PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
+    "lightning.fabric.utilities.data._set_sampler_epoch",
+    "lightning.pytorch.loops.fit_loop._FitLoop._data_fetcher",
+    "lightning.pytorch.loops.fit_loop._FitLoop._combined_loader",
+    "lightning.pytorch.loops.fit_loop._FitLoop._combined_loader_states_to_load",
+    "lightning.pytorch.loops.fit_loop._FitLoop._load_combined_loader_states",
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_check_val_fx",
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_accumulate",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._should_skip_saving_checkpoint",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._monitor_candidates",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._save_topk_checkpoint",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._save_last_checkpoint",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._every_n_train_steps",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._last_global_step_saved",
+)
+
+
+def validation_follows_batch(trainer: Trainer) -> bool:
+    """Whether the fit loop runs a validation right after the current training batch (``val_check_interval``)."""
+    fit_loop = trainer.fit_loop
+    return fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher)
+
+
+def accumulates_gradients(trainer: Trainer) -> bool:
+    """Whether the current batch only accumulates gradients, with no optimizer step after it (gradient accumulation)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def restore_train_loader_position(trainer: Trainer) -> None:
+    """Puts the train loader at the position saved in the resumed checkpoint, if Lightning has not applied it yet."""
+    fit_loop = trainer.fit_loop
+    if fit_loop._combined_loader_states_to_load and fit_loop._data_fetcher is not None:
+        # The steps Lightning takes when it builds the train loader (_FitLoop.setup_data, on_advance_start):
+        # load the states, set the samplers' epoch, and recreate the iterator so that it starts there.
+        fit_loop._load_combined_loader_states()
+        for loader in fit_loop._combined_loader.flattened:
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+        iter(fit_loop._data_fetcher)
+
+
+def skips_saving(callback: ModelCheckpoint, trainer: Trainer) -> bool:
+    """Whether ModelCheckpoint saves nothing now: fast_dev_run, not fitting, sanity check, or this step saved."""
+    return callback._should_skip_saving_checkpoint(trainer)
+
+
+def every_n_train_steps(callback: ModelCheckpoint) -> int:
+    """The callback's ``every_n_train_steps`` (0 when it does not save by steps)."""
+    return callback._every_n_train_steps
+
+
+def last_saved_step(callback: ModelCheckpoint) -> int:
+    """The global step at which the callback last wrote a checkpoint (0 before its first)."""
+    return callback._last_global_step_saved
+
+
+def save_topk_and_last(callback: ModelCheckpoint, trainer: Trainer) -> None:
+    """What ModelCheckpoint saves at a due step: the top-k checkpoint, then ``last.ckpt``."""
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+
+
+def save_last(callback: ModelCheckpoint, trainer: Trainer) -> None:
+    """Writes ``last.ckpt`` now, as ModelCheckpoint does with ``save_last=True``."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))

@@ -1,0 +1,83 @@
+"""The private Lightning names moh_lightning relies on still exist, and only lightning_compat.py uses them.
+
+When this fails after a Lightning upgrade, a private name listed in
+``moh_lightning.callbacks.lightning_compat.PRIVATE_LIGHTNING_NAMES`` was renamed or removed: adapt the function
+of lightning_compat.py that uses it (and the upper bound on lightning in pyproject.toml).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from moh_lightning.callbacks import lightning_compat, reliability
+from moh_lightning.callbacks.lightning_compat import PRIVATE_LIGHTNING_NAMES
+
+
+def _resolve_owner(path: str) -> tuple[object, str]:
+    """The object (module or class) that should hold the last name of ``path``, and that name."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:-1]:
+            assert hasattr(owner, name), f"{path}: {owner!r} has no {name!r}"
+            owner = getattr(owner, name)
+        return owner, parts[-1]
+    raise AssertionError(f"{path}: no importable module in it")
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory) -> list[object]:
+    """Real objects of the classes whose instance attributes are listed: a tiny Trainer's loops, a ModelCheckpoint."""
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    return [trainer.fit_loop, trainer.fit_loop.epoch_loop, ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt"))]
+
+
+@pytest.mark.parametrize("path", PRIVATE_LIGHTNING_NAMES)
+def test_private_lightning_name_exists(path: str, instances: list[object]) -> None:
+    owner, name = _resolve_owner(path)
+    if hasattr(owner, name):
+        return
+    # Attributes Lightning sets in __init__ exist on instances only.
+    assert inspect.isclass(owner), f"{path}: {owner!r} has no {name!r}"
+    objects = [obj for obj in instances if isinstance(obj, owner)]
+    assert objects, f"{path}: no instance of {owner.__qualname__} to look on (the Trainer no longer uses it?)"
+    assert all(hasattr(obj, name) for obj in objects), f"{path}: {owner.__qualname__} has no {name!r}"
+
+
+def _private_names_used(module) -> set[str]:
+    """Non-dunder names starting with ``_`` that ``module`` reads as attributes or imports from lightning."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning"):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_every_private_name_used_by_the_compat_module_is_listed() -> None:
+    listed = {path.rsplit(".", 1)[1] for path in PRIVATE_LIGHTNING_NAMES}
+    unlisted = _private_names_used(lightning_compat) - listed
+    assert not unlisted, f"lightning_compat.py uses {sorted(unlisted)}: list them in PRIVATE_LIGHTNING_NAMES"
+
+
+def test_reliability_uses_no_private_lightning_name() -> None:
+    listed = {path.rsplit(".", 1)[1] for path in PRIVATE_LIGHTNING_NAMES}
+    used = _private_names_used(reliability) & listed
+    assert not used, f"reliability.py uses {sorted(used)}: go through lightning_compat"
+    tree = ast.parse(Path(reliability.__file__).read_text())
+    private_imports = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                       and (node.module or "").startswith("lightning") for alias in node.names
+                       if alias.name.startswith("_")]
+    assert not private_imports, "import private Lightning names in lightning_compat.py only"
