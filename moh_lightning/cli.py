@@ -1,22 +1,28 @@
 """The ``moh`` command: LightningCLI for fit / validate / test / predict, plus the suite's own tools.
 
 ``moh fit --config vit_s_75.yaml`` runs a shipped config from any folder: a ``--config`` value that is not a
-file resolves against the suite's ``cli_configs/``. Tools that are not Trainer loops (sampling, generation,
-evaluation, benchmarks) are plain typed functions listed in ``TOOLS`` and parsed by jsonargparse, so they
-take ``--help``, ``--config`` and command-line overrides the same way.
+file resolves against the suite's ``cli_configs/``. A config may start with ``extends:`` (one or more configs), which
+are stacked before it, so an experiment states only what makes it that experiment. Every run writes into its own run
+folder ``runs/<name>/version_N/`` (events, resolved config, checkpoints; see ``moh_lightning.runs``). Tools that are
+not Trainer loops (sampling, generation, evaluation, benchmarks, sweeps) are plain typed functions listed in
+``TOOLS`` and parsed by jsonargparse, so they take ``--help``, ``--config`` and overrides the same way.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import yaml
 from jsonargparse import CLI
-from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, StepCheckpoint
+from moh_lightning.runs import check_resumable, latest_checkpoint
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -32,6 +38,13 @@ TOOLS: dict[str, str] = {
 
 _CONFIG_FLAGS = ("--config", "-c")
 
+# What every run shares: crash-safe checkpoint writes, and TensorBoard events in runs/<name>/version_N/.
+TRAINER_DEFAULTS = {
+    "plugins": [{"class_path": "moh_lightning.checkpoint_io.AtomicCheckpointIO"}],
+    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+               "init_args": {"save_dir": "runs", "name": None}},
+}
+
 
 def config_dir() -> Path:
     """The shipped ``cli_configs/``: installed with the package, or beside it in a source checkout."""
@@ -41,35 +54,76 @@ def config_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "cli_configs"
 
 
-def resolve_config(value: str) -> str:
-    """A path as given when it exists, else the shipped config of that name; a clear error otherwise."""
-    if Path(value).is_file():
-        return value
+def shipped_configs() -> list[str]:
+    """Names of the shipped experiment configs (the overlays and the recipes they extend are not experiments)."""
+    return sorted(p.name for p in config_dir().glob("*.yaml") if p.name not in OVERLAYS)
+
+
+OVERLAYS = ("multi_gpu.yaml", "fsdp.yaml")
+
+
+def resolve_config(value: str, beside: Path | None = None) -> str:
+    """A path as given when it exists (or beside the config that names it), else the shipped config of that name."""
+    candidates = [Path(value)] + ([beside / value] if beside is not None else [])
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
     shipped = config_dir() / value
     if not shipped.suffix:
         shipped = shipped.with_suffix(".yaml")
     if shipped.is_file():
         return str(shipped)
-    names = ", ".join(sorted(p.name for p in config_dir().glob("*.yaml")))
-    raise SystemExit(f"moh: --config {value}: no such file here nor in the shipped configs ({names}).")
+    raise SystemExit(f"moh: --config {value}: no such file here nor in the shipped configs "
+                     f"({', '.join(shipped_configs())}).")
+
+
+def expand_config(value: str, seen: tuple[str, ...] = ()) -> list[str]:
+    """``--config`` values for one config: the configs it ``extends`` (recursively), then its own keys.
+
+    LightningCLI deep-merges stacked ``--config`` files, but a single file cannot name the file it builds on:
+    jsonargparse's own ``config:`` key inside a file replaces whole groups instead of merging them. So ``extends``
+    is read here and becomes stacked ``--config`` arguments.
+    """
+    path = resolve_config(value, beside=Path(seen[-1]).parent if seen else None)
+    if path in seen:
+        raise SystemExit(f"moh: config {path} extends itself (through {' -> '.join(seen)}).")
+    content = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(content, dict) or "extends" not in content:
+        return [path]
+    bases = content.pop("extends")
+    out = []
+    for base in [bases] if isinstance(bases, str) else bases:
+        out += expand_config(base, (*seen, path))
+    # The file's own keys, passed as config text (jsonargparse reads a --config value that is not a path as YAML).
+    return out + [yaml.safe_dump(content, sort_keys=False)] if content else out
 
 
 def resolve_config_args(args: Sequence[str]) -> list[str]:
-    """Rewrites every ``--config NAME`` / ``--config=NAME`` to a path (see ``resolve_config``)."""
+    """Rewrites every ``--config NAME`` / ``--config=NAME`` into the stacked configs it stands for."""
     out, args = [], list(args)
     i = 0
     while i < len(args):
-        arg = args[i]
-        if arg in _CONFIG_FLAGS and i + 1 < len(args):
-            out += [arg, resolve_config(args[i + 1])]
-            i += 2
-            continue
-        flag, sep, value = arg.partition("=")
-        if sep and flag in _CONFIG_FLAGS:
-            arg = f"{flag}={resolve_config(value)}"
-        out.append(arg)
+        flag, sep, value = args[i].partition("=")
+        if flag in _CONFIG_FLAGS and (sep or i + 1 < len(args)):
+            if not sep:
+                i += 1
+                value = args[i]
+            for expanded in expand_config(value):
+                out += [flag, expanded]
+        else:
+            out.append(args[i])
         i += 1
     return out
+
+
+def run_name(args: Sequence[str]) -> str | None:
+    """The name of a run: the stem of the first ``--config`` given, the experiment (overlays come after it)."""
+    for i, arg in enumerate(args):
+        flag, sep, value = arg.partition("=")
+        if flag in _CONFIG_FLAGS:
+            value = value if sep else (args[i + 1] if i + 1 < len(args) else "")
+            return Path(value).stem or None
+    return None
 
 
 def one_line_error(message: str) -> str:
@@ -94,6 +148,11 @@ def one_line_error(message: str) -> str:
     return f"{built.group(1)}: {reason}" if built else reason
 
 
+def _debugging_jsonargparse() -> bool:
+    """Whether jsonargparse's documented debug switch is on (then its full reports are wanted)."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() in ("1", "true", "yes", "on")
+
+
 class OneLineErrorParser(LightningArgumentParser):
     """Parser errors as one line naming the key and what to do, instead of usage text and nested reports.
 
@@ -104,15 +163,27 @@ class OneLineErrorParser(LightningArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error or debug_mode_active():  # jsonargparse catches these errors itself
+        if not self.exit_on_error or _debugging_jsonargparse():  # jsonargparse catches these errors itself
             super().error(message, ex)
         raise SystemExit(f"moh: {one_line_error(message)}")
 
 
 class MoHLightningCLI(LightningCLI):
-    """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config."""
+    """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config.
+
+    The callbacks every run needs are always on, each configured under its own key: ``head_load``
+    (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume`` and ``finite_loss_guard``.
+    ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
+    run whose model or data settings differ from those saved with it.
+    """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        from_command_line = args is None
+        given = list(sys.argv[1:] if from_command_line else args)
+        self.run_name = run_name(given)
+        resolved = resolve_config_args(given)
+        if from_command_line:  # LightningCLI warns when given args while sys.argv has its own.
+            sys.argv[1:] = resolved
         super().__init__(
             LightningModule,
             LightningDataModule,
@@ -120,9 +191,37 @@ class MoHLightningCLI(LightningCLI):
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             parser_class=OneLineErrorParser,
-            args=args,
+            trainer_defaults=TRAINER_DEFAULTS,
+            args=None if from_command_line else resolved,
             run=run,
         )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(HeadLoadCallback, "head_load")
+        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(ExactResumeCallback, "exact_resume")
+        parser.add_lightning_class_args(FiniteLossGuard, "finite_loss_guard")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        logger = config.trainer.get("logger")
+        init_args = getattr(logger, "init_args", None)
+        if init_args is not None and "name" in init_args and init_args.name is None:
+            init_args.name = self.run_name or "default"
+        if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
+            self._resume_last(config, init_args)
+
+    def _resume_last(self, config, logger_args) -> None:
+        """Points ``ckpt_path`` and the logger's version at the newest checkpoint of this run name, if any."""
+        found = latest_checkpoint(Path(logger_args.save_dir) / logger_args.name)
+        if found is None:
+            config.ckpt_path = None  # the first start of a run that will be resumed later: start fresh
+            return
+        version_dir, checkpoint = found
+        current = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False))
+        check_resumable(version_dir, current)
+        logger_args.version = int(version_dir.name.removeprefix("version_"))
+        config.ckpt_path = str(checkpoint)
 
     def instantiate_classes(self) -> None:
         try:
@@ -138,14 +237,11 @@ def _tool(name: str) -> Callable:
 
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python."""
-    from_command_line = args is None
-    args = resolve_config_args(sys.argv[1:] if from_command_line else args)
-    if args and args[0] in TOOLS:
-        CLI(_tool(args[0]), args=args[1:], as_positional=False)
+    given = list(sys.argv[1:] if args is None else args)
+    if given and given[0] in TOOLS:
+        CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
         return
-    if from_command_line:  # LightningCLI warns when given args while sys.argv has its own.
-        sys.argv[1:] = args
-    MoHLightningCLI(args=None if from_command_line else args)
+    MoHLightningCLI(args=args)
 
 
 if __name__ == "__main__":

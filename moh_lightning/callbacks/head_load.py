@@ -17,6 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib.figure import Figure
 
+from moh_lightning.tasks.base import MoHTask
 from moh_lightning.layers import MoHAttention, moh_layers
 
 log = logging.getLogger(__name__)
@@ -156,10 +157,9 @@ class HeadLoadCallback(Callback):
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        groups_of = getattr(pl_module, "head_load_groups", None)
-        if self._plot_layer is None or groups_of is None or self._plot_layer.last_gates is None:
+        if self._plot_layer is None or not isinstance(pl_module, MoHTask) or self._plot_layer.last_gates is None:
             return
-        groups = groups_of(batch)
+        groups = pl_module.head_load_groups(batch)
         if groups is None:
             return
         gates = self._plot_layer.last_gates

@@ -60,7 +60,7 @@ class SampleGridCallback(Callback):
         if trainer.global_step % self.every_n_steps or not trainer.is_global_zero:
             return
         task = self._sampling_module(trainer, pl_module)
-        classes = min(self.max_classes, pl_module.hparams.num_classes)
+        classes = min(self.max_classes, pl_module.model.num_classes)
         labels = torch.arange(classes).repeat_interleave(self.num_per_class)
         images = self._generate(trainer, task, labels)
         grid = make_grid((images + 1) / 2, nrow=self.num_per_class, padding=1)
@@ -98,7 +98,7 @@ class SampleGridCallback(Callback):
         if self._reference is None:
             self._reference = load_images(self.fid_reference, "fid_reference")
         generator = torch.Generator().manual_seed(self.seed + 1)
-        labels = torch.randint(0, pl_module.hparams.num_classes, (self.fid_num_samples,), generator=generator)
+        labels = torch.randint(0, pl_module.model.num_classes, (self.fid_num_samples,), generator=generator)
         samples = to_uint8(self._generate(trainer, task, labels))
         metrics = compute_fidelity(samples, self._reference, reference_name=Path(self.fid_reference).stem,
                                    weights=self.fid_weights)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
 
 
@@ -47,10 +48,7 @@ def llm_config_from_hf(hf_config, num_shared_heads: int | None = None, top_k: in
         rope_base=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
         norm_eps=hf_config.rms_norm_eps,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
-        dense=dense,
-        num_shared_heads=shared,
-        top_k=top_k,
-        router="query_norm",
+        moh=None if dense else MoHConfig(num_shared_heads=shared, top_k=top_k, router="query_norm"),
     )
 
 
@@ -58,7 +56,7 @@ def hf_to_moh_state_dict(hf_state: dict[str, torch.Tensor], config: LlamaConfig)
     """``LlamaForCausalLM`` weights under ``MoHLlama``'s names (q, k, v stacked into ``qkv``)."""
     out = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"],
            "lm_head.weight": hf_state.get("lm_head.weight", hf_state["model.embed_tokens.weight"])}
-    for i in range(config.n_layer):
+    for i in range(config.depth):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         attn = hf + "self_attn."
         out[ours + "attn.qkv.weight"] = torch.cat(
@@ -76,8 +74,8 @@ def moh_to_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig) ->
     out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
-    q_size, kv_size = config.n_head * config.head_size, config.n_kv_head * config.head_size
-    for i in range(config.n_layer):
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for i in range(config.depth):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         q, k, v = state[ours + "attn.qkv.weight"].split([q_size, kv_size, kv_size])
         attn = hf + "self_attn."
@@ -106,8 +104,8 @@ def load_hf_weights(model: MoHLlama, source: str) -> None:
     state = hf_to_moh_state_dict(hf.state_dict(), model.config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if ".router." not in k]:
-        raise ValueError(f"LLaMA checkpoint {source!r} does not match model.init_args.llm (missing {missing}, "
-                         f"unexpected {unexpected}); build the llm section with llm_config_from_hf.")
+        raise ValueError(f"LLaMA checkpoint {source!r} does not match model.init_args.arch (missing {missing}, "
+                         f"unexpected {unexpected}); build model.init_args.arch with llm_config_from_hf.")
 
 
 def from_hf(source: str, num_shared_heads: int | None = None, top_k: int | None = None, dense: bool = False,
@@ -126,19 +124,23 @@ def hf_config_for(config: LlamaConfig, **extra):
 
     from moh_lightning.models.hf_moh_llama import MoHLlamaConfig
 
-    if not config.dense and config.router != "query_norm":
+    moh = config.moh
+    if moh is not None and moh.router != "query_norm":
         raise ValueError("export to transformers needs router='query_norm' (continue-tuned) or a dense model; a "
                          "learned-router model is evaluated with `moh lm-eval` (lm-eval model type 'moh').")
     kwargs = dict(
-        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
-        head_dim=config.head_size, max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps,
+        vocab_size=config.vocab_size, hidden_size=config.embed_dim, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.depth, num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_base},
         tie_word_embeddings=config.tie_embeddings, hidden_act="silu", **extra,
     )
-    if config.dense:
+    if moh is None:
         return HFLlamaConfig(**kwargs)
-    return MoHLlamaConfig(moh_num_shared_heads=config.num_shared_heads, moh_top_k=config.top_k, **kwargs)
+    if not isinstance(moh.num_shared_heads, int) or not isinstance(moh.top_k, int):
+        raise ValueError("export to transformers needs one head budget for every layer (int num_shared_heads and "
+                         "top_k in arch.moh), not per-layer lists.")
+    return MoHLlamaConfig(moh_num_shared_heads=moh.num_shared_heads, moh_top_k=moh.top_k, **kwargs)
 
 
 def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None) -> Path:

@@ -5,20 +5,21 @@ The network follows DiT exactly: patchify, fixed 2-D sin-cos position embedding,
 variance (the output has twice the input channels). The only change is the attention block: ``MoHAttention``
 with a per-layer head budget (MoH-DiT, paper section 4.2), or ``dense=True`` for the DiT baseline.
 
-Named configurations live in ``DIT_CONFIGS`` as plain dicts: the paper's sizes with the authors' per-layer budgets
-(fewer active heads in shallow layers) and the small pixel-space models for the 32x32 MNIST default.
+The named models (the paper's sizes with the authors' per-layer budgets, fewer active heads in shallow layers, and
+the small pixel-space models of the 32x32 MNIST default) are the shipped configs in ``cli_configs/``.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from timm.layers import Mlp, PatchEmbed
 from torch import nn
 
-from moh_lightning.layers import MoHAttention, check_head_budget
+from moh_lightning.layers import MoHAttention
+from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -73,13 +74,10 @@ class DiTBlock(nn.Module):
     """Transformer block whose norms are modulated and whose residual branches are gated by the condition (adaLN-Zero)."""
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, head_dim: int | None = None,
-                 num_shared_heads: int = 0, top_k: int | None = None, dense: bool = False,
-                 two_stage_routing: bool = True) -> None:
+                 **moh: Any) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = MoHAttention(hidden_size, num_heads=num_heads, attn_head_dim=head_dim, qkv_bias=True,
-                                 num_shared_heads=num_shared_heads, top_k=top_k, dense=dense,
-                                 two_stage_routing=two_stage_routing)
+        self.attn = MoHAttention(hidden_size, num_heads=num_heads, attn_head_dim=head_dim, qkv_bias=True, **moh)
         self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
@@ -105,80 +103,76 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-def _per_layer(value: int | Sequence[int] | None, depth: int, key: str) -> list:
-    """Broadcasts a scalar to every layer, or checks that a list has one entry per layer."""
-    if value is None or isinstance(value, int):
-        return [value] * depth
-    value = list(value)
-    if len(value) != depth:
-        raise ValueError(f"{key} has {len(value)} entries but depth={depth}: give one per layer or a single int.")
-    return value
-
-
-class DiT(nn.Module):
-    """Class-conditional diffusion transformer: ``forward(x, t, y)`` predicts noise (and the variance interpolation).
+@dataclass
+class DiTConfig:
+    """Architecture of a (MoH-)DiT. Defaults are DiT-XL/2 on 32x32x4 SD-VAE latents of ImageNet 256.
 
     Args:
         input_size: Height = width of the input (latent or pixel) grid.
         patch_size: Side of the square patches the grid is cut into.
         in_channels: Channels of the input (4 for SD-VAE latents, 1 for grey pixels).
-        hidden_size: Token width.
+        embed_dim: Token width.
         depth: Number of blocks.
         num_heads: Heads per block, or one entry per block (the authors' L/XL MoH models grow heads with depth).
-        head_dim: Width of one head; ``hidden_size // num_heads`` when None.
+        head_dim: Width of one head; ``embed_dim // num_heads`` when None.
         mlp_ratio: MLP hidden width over token width.
         class_dropout_prob: Probability of replacing a label by the null class in training (classifier-free guidance).
         num_classes: Number of conditioning classes.
         learn_sigma: Also output the variance interpolation (twice the input channels) as DiT does.
-        num_shared_heads: Always-active heads per block (one entry per block, or an int); None builds the dense
-            DiT baseline.
-        top_k: Routed heads active per token per block (one entry per block, or an int).
-        two_stage_routing: Learn the shared / routed balance (paper Eq. 6).
+        moh: Head budget and routing; None (the default) is DiT's multi-head attention, the dense baseline.
     """
 
-    def __init__(
-            self,
-            input_size: int = 32,
-            patch_size: int = 2,
-            in_channels: int = 4,
-            hidden_size: int = 1152,
-            depth: int = 28,
-            num_heads: int | Sequence[int] = 16,
-            head_dim: int | None = None,
-            mlp_ratio: float = 4.0,
-            class_dropout_prob: float = 0.1,
-            num_classes: int = 1000,
-            learn_sigma: bool = True,
-            num_shared_heads: int | Sequence[int] | None = None,
-            top_k: int | Sequence[int] | None = None,
-            two_stage_routing: bool = True,
-    ) -> None:
+    input_size: int = 32
+    patch_size: int = 2
+    in_channels: int = 4
+    embed_dim: int = 1152
+    depth: int = 28
+    num_heads: int | list[int] = 16
+    head_dim: int | None = None
+    mlp_ratio: float = 4.0
+    class_dropout_prob: float = 0.1
+    num_classes: int = 1000
+    learn_sigma: bool = True
+    moh: MoHConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.moh = as_moh_config(self.moh)
+        if self.input_size % self.patch_size:
+            raise ValueError(f"input_size={self.input_size} is not divisible by patch_size={self.patch_size}.")
+        attention_layers(self.moh, self.num_heads, self.depth)
+
+    @property
+    def activated_fraction(self) -> float:
+        return activated_fraction(self.moh, self.num_heads, self.depth)
+
+
+class DiT(nn.Module):
+    """Class-conditional diffusion transformer: ``forward(x, t, y)`` predicts noise (and the variance interpolation).
+
+    Built from a ``DiTConfig``; ``config.moh`` sets each block's head budget (MoH-DiT, paper section 4.2).
+    """
+
+    def __init__(self, config: DiTConfig) -> None:
         super().__init__()
-        if input_size % patch_size:
-            raise ValueError(f"input_size={input_size} is not divisible by patch_size={patch_size}.")
-        self.in_channels = in_channels
-        self.out_channels = in_channels * 2 if learn_sigma else in_channels
-        self.learn_sigma = learn_sigma
-        self.patch_size = patch_size
-        self.num_classes = num_classes
+        self.config = config
+        self.in_channels = config.in_channels
+        self.out_channels = config.in_channels * 2 if config.learn_sigma else config.in_channels
+        self.learn_sigma = config.learn_sigma
+        self.patch_size = config.patch_size
+        self.num_classes = config.num_classes
+        input_size, patch_size, hidden_size = config.input_size, config.patch_size, config.embed_dim
+        heads = [config.num_heads] * config.depth if isinstance(config.num_heads, int) else list(config.num_heads)
+        layers = attention_layers(config.moh, heads, config.depth)
 
-        heads = _per_layer(num_heads, depth, "num_heads")
-        dense = num_shared_heads is None
-        shared = _per_layer(0 if dense else num_shared_heads, depth, "num_shared_heads")
-        top_ks = _per_layer(top_k, depth, "top_k")
-        if not dense:
-            for i in range(depth):
-                top_ks[i] = check_head_budget(heads[i], shared[i], top_ks[i], where=f"DiT block {i}")
-
-        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.x_embedder = PatchEmbed(input_size, patch_size, config.in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.y_embedder = LabelEmbedder(config.num_classes, hidden_size, config.class_dropout_prob)
         num_patches = self.x_embedder.num_patches
         # Fixed sin-cos embedding, a buffer so that neither the optimiser nor the EMA touches it.
         self.register_buffer("pos_embed", torch.zeros(1, num_patches, hidden_size), persistent=False)
         self.blocks = nn.ModuleList([
-            DiTBlock(hidden_size, heads[i], mlp_ratio, head_dim, shared[i], top_ks[i], dense, two_stage_routing)
-            for i in range(depth)
+            DiTBlock(hidden_size, heads[i], config.mlp_ratio, config.head_dim, **layers[i])
+            for i in range(config.depth)
         ])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.initialize_weights()
@@ -255,54 +249,4 @@ def sincos_pos_embed_2d(embed_dim: int, grid_size: int) -> torch.Tensor:
     return torch.cat([embed_1d(grid_w), embed_1d(grid_h)], dim=1).float()
 
 
-def _repeat(*groups: tuple[int, int]) -> list[int]:
-    """``_repeat((a, 3), (b, 2))`` -> ``[a, a, a, b, b]``: per-layer lists read as runs."""
-    return [value for value, count in groups for _ in range(count)]
-
-
-# Dense DiT sizes (Peebles & Xie, Tab. 1) and the authors' MoH-DiT budgets (SkyworkAI/MoH, MoH-DiT/models.py):
-# shallow blocks run fewer heads, deep blocks all of theirs. In L and XL the head count itself grows with depth
-# at a fixed head width. The pixel-space MNIST models ("T/4") are this suite's, sized for ~10 CPU minutes.
-DIT_CONFIGS: dict[str, dict[str, Any]] = {
-    "DiT-S/2": dict(depth=12, hidden_size=384, patch_size=2, num_heads=6),
-    "DiT-B/2": dict(depth=12, hidden_size=768, patch_size=2, num_heads=12),
-    "DiT-L/2": dict(depth=24, hidden_size=1024, patch_size=2, num_heads=16),
-    "DiT-XL/2": dict(depth=28, hidden_size=1152, patch_size=2, num_heads=16),
-    "MoH-DiT-S/2-90": dict(depth=12, hidden_size=384, patch_size=2, num_heads=6,
-                           num_shared_heads=_repeat((3, 8), (6, 4)), top_k=_repeat((2, 8), (0, 4))),
-    "MoH-DiT-S/2-75": dict(depth=12, hidden_size=384, patch_size=2, num_heads=6,
-                           num_shared_heads=_repeat((2, 2), (3, 8), (6, 2)), top_k=_repeat((1, 6), (2, 4), (0, 2))),
-    "MoH-DiT-B/2-90": dict(depth=12, hidden_size=768, patch_size=2, num_heads=12,
-                           num_shared_heads=_repeat((6, 5), (7, 5), (12, 2)), top_k=_repeat((4, 10), (0, 2))),
-    "MoH-DiT-B/2-75": dict(depth=12, hidden_size=768, patch_size=2, num_heads=12,
-                           num_shared_heads=_repeat((4, 2), (6, 8), (12, 2)),
-                           top_k=_repeat((2, 2), (3, 8), (0, 2))),
-    "MoH-DiT-L/2-90": dict(depth=24, hidden_size=1024, patch_size=2, head_dim=64,
-                           num_heads=_repeat((8, 8), (16, 8), (24, 8)),
-                           num_shared_heads=_repeat((8, 8), (16, 16)), top_k=_repeat((0, 16), (3, 8))),
-    "MoH-DiT-L/2-75": dict(depth=24, hidden_size=1024, patch_size=2, head_dim=64,
-                           num_heads=_repeat((8, 8), (16, 8), (24, 8)),
-                           num_shared_heads=_repeat((8, 16), (12, 8)), top_k=_repeat((0, 8), (4, 16))),
-    "MoH-DiT-XL/2-90": dict(depth=28, hidden_size=1152, patch_size=2, head_dim=72,
-                            num_heads=_repeat((8, 9), (16, 10), (24, 9)),
-                            num_shared_heads=_repeat((8, 9), (16, 19)), top_k=_repeat((0, 19), (3, 9))),
-    "MoH-DiT-XL/2-75": dict(depth=28, hidden_size=1152, patch_size=2, head_dim=72,
-                            num_heads=_repeat((8, 9), (16, 10), (24, 9)),
-                            num_shared_heads=_repeat((8, 9), (10, 10), (14, 9)), top_k=_repeat((0, 9), (2, 19))),
-    "DiT-T/4": dict(depth=4, hidden_size=128, patch_size=4, num_heads=8),
-    "MoH-DiT-T/4-90": dict(depth=4, hidden_size=128, patch_size=4, num_heads=8,
-                           num_shared_heads=[4, 4, 8, 8], top_k=[2, 3, 0, 0]),
-    "MoH-DiT-T/4-75": dict(depth=4, hidden_size=128, patch_size=4, num_heads=8,
-                           num_shared_heads=[3, 4, 4, 4], top_k=[2, 2, 2, 3]),
-}
-
-
-def build_dit(name: str, **overrides: Any) -> DiT:
-    """The named configuration of ``DIT_CONFIGS`` with ``overrides`` (e.g. ``input_size``, ``in_channels``)."""
-    if name not in DIT_CONFIGS:
-        raise ValueError(f"model={name!r} is not a named DiT; choose one of {', '.join(DIT_CONFIGS)}.")
-    return DiT(**{**DIT_CONFIGS[name], **overrides})
-
-
-__all__ = ["DIT_CONFIGS", "DiT", "DiTBlock", "FinalLayer", "LabelEmbedder", "TimestepEmbedder", "build_dit",
-           "sincos_pos_embed_2d"]
+__all__ = ["DiT", "DiTBlock", "DiTConfig", "FinalLayer", "LabelEmbedder", "TimestepEmbedder", "sincos_pos_embed_2d"]

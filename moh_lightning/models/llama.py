@@ -3,108 +3,73 @@
 RMSNorm, rotary position embedding (LLaMA / Hugging Face "rotate half" layout, so converted LLaMA weights
 need no permutation), SwiGLU MLP, optional grouped-query attention and tied embeddings. The routing,
 load-balance loss and KV cache are the shared attention block's; this file only arranges the decoder.
-Named configs follow Tab. A (LLM-S / LLM-B at 100 / 75 / 50% activated heads) plus small CPU ones.
+The named models (Tab. A's LLM-S / LLM-B at 100 / 75 / 50% activated heads, the CPU default) are the shipped
+configs in ``cli_configs/``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moh_lightning.layers import ExecutionMode, KVCache, MoHAttention, check_head_budget
+from moh_lightning.layers import KVCache, MoHAttention
+from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 
 
 @dataclass
 class LlamaConfig:
     """Architecture of a (MoH) LLaMA decoder.
 
-    ``num_shared_heads`` heads are always on and ``top_k`` of the remaining routed heads are picked per
-    token; ``dense=True`` is plain multi-head attention (the baseline). ``router="query_norm"`` is the
-    parameter-free router used when continue-tuning a pretrained model (section 4.4).
+    ``moh`` holds the head budget and routing: ``moh.num_shared_heads`` heads are always on and ``moh.top_k`` of the
+    remaining routed heads are picked per token; ``moh: null`` is plain multi-head attention (the baseline) and
+    ``moh.router: query_norm`` the parameter-free router for continue-tuning a pretrained model (section 4.4).
+    ``head_dim`` is ``embed_dim // num_heads`` and ``num_kv_heads`` is ``num_heads`` when None.
     """
 
     vocab_size: int = 65536
-    n_layer: int = 12
-    n_embd: int = 768
-    n_head: int = 12
-    head_size: int | None = None
-    n_kv_head: int | None = None
+    depth: int = 12
+    embed_dim: int = 768
+    num_heads: int = 12
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
     intermediate_size: int = 2048
     block_size: int = 2048
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    dense: bool = False
-    num_shared_heads: int = 6
-    top_k: int | None = 3
-    router: Literal["learned", "query_norm"] = "learned"
-    two_stage_routing: bool = True
-    execution: ExecutionMode = "auto"
+    moh: MoHConfig | None = field(default_factory=lambda: MoHConfig(num_shared_heads=6, top_k=3))
 
     def __post_init__(self) -> None:
-        if self.head_size is None:
-            if self.n_embd % self.n_head:
-                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: set head_size.")
-            self.head_size = self.n_embd // self.n_head
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}.")
-        if self.head_size % 2:
-            raise ValueError(f"head_size={self.head_size} must be even for rotary embeddings.")
-        if not self.dense:
-            self.top_k = check_head_budget(self.n_head, self.num_shared_heads, self.top_k, where="llm config")
+        self.moh = as_moh_config(self.moh)
+        if self.head_dim is None:
+            if self.embed_dim % self.num_heads:
+                raise ValueError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}: set "
+                                 f"head_dim.")
+            self.head_dim = self.embed_dim // self.num_heads
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        attention_layers(self.moh, self.num_heads, self.depth)
 
     @property
     def activated_fraction(self) -> float:
-        return 1.0 if self.dense else (self.num_shared_heads + self.top_k) / self.n_head
+        return activated_fraction(self.moh, self.num_heads, self.depth)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# Tab. A shapes; vocab 65,536 as the paper states, which reproduces Tab. A's 186M / 881M parameters. The
-# paper does not give the shared / routed split of its LLMs (Tab. 7 finds the ratio barely matters), so
-# 75% shares half the heads and routes a quarter, 50% shares and routes a quarter each.
-_LLM_S = {"n_layer": 12, "n_embd": 768, "n_head": 12, "head_size": 64, "intermediate_size": 2048}
-_LLM_B = {"n_layer": 24, "n_embd": 1536, "n_head": 16, "head_size": 96, "intermediate_size": 4096}
-# CPU default for the stdlib byte-level corpus: ~3M parameters, trains in minutes on 2 cores.
-_STDLIB = {"vocab_size": 259, "n_layer": 4, "n_embd": 256, "n_head": 8, "head_size": 32,
-           "intermediate_size": 688, "block_size": 256, "tie_embeddings": True}
-_TINY = {"vocab_size": 259, "n_layer": 2, "n_embd": 64, "n_head": 4, "head_size": 16,
-         "intermediate_size": 128, "block_size": 64}
-LLAMA_CONFIGS: dict[str, dict] = {
-    "llm_s_100": {**_LLM_S, "dense": True},
-    "llm_s_75": {**_LLM_S, "num_shared_heads": 6, "top_k": 3},
-    "llm_s_50": {**_LLM_S, "num_shared_heads": 3, "top_k": 3},
-    "llm_b_100": {**_LLM_B, "dense": True},
-    "llm_b_75": {**_LLM_B, "num_shared_heads": 8, "top_k": 4},
-    "llm_b_50": {**_LLM_B, "num_shared_heads": 4, "top_k": 4},
-    "llm_stdlib_100": {**_STDLIB, "dense": True},
-    "llm_stdlib_75": {**_STDLIB, "num_shared_heads": 4, "top_k": 2},
-    "llm_stdlib_50": {**_STDLIB, "num_shared_heads": 2, "top_k": 2},
-    "tiny_100": {**_TINY, "dense": True},
-    "tiny_75": {**_TINY, "num_shared_heads": 2, "top_k": 1},
-    "tiny_50": {**_TINY, "num_shared_heads": 1, "top_k": 1},
-}
-
-
-def llama_config(name: str, **overrides) -> LlamaConfig:
-    """A named config (``LLAMA_CONFIGS``) with keyword overrides."""
-    if name not in LLAMA_CONFIGS:
-        raise ValueError(f"Unknown LLM config {name!r}; choose one of {sorted(LLAMA_CONFIGS)}.")
-    return LlamaConfig(**{**LLAMA_CONFIGS[name], **overrides})
-
-
 class RotaryEmbedding(nn.Module):
     """cos / sin tables of rotary position embedding for positions ``start .. start + length - 1``."""
 
-    def __init__(self, head_size: int, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,17 +102,13 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: MoH self-attention then SwiGLU, each with a residual."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, moh: dict) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.attn = MoHAttention(
-            config.n_embd, config.n_head, attn_head_dim=config.head_size, qkv_bias=False, proj_bias=False,
-            num_shared_heads=config.num_shared_heads, top_k=config.top_k, dense=config.dense,
-            two_stage_routing=config.two_stage_routing, router=config.router, num_kv_heads=config.n_kv_head,
-            causal=True, execution=config.execution,
-        )
-        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.n_embd, config.intermediate_size)
+        self.attn_norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.attn = MoHAttention(config.embed_dim, config.num_heads, attn_head_dim=config.head_dim, qkv_bias=False,
+                                 proj_bias=False, num_kv_heads=config.num_kv_heads, causal=True, **moh)
+        self.mlp_norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.mlp = SwiGLU(config.embed_dim, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -163,22 +124,22 @@ class MoHLlama(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
+        self.blocks = nn.ModuleList(Block(config, moh) for moh in attention_layers(config.moh, config.num_heads, config.depth))
+        self.norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = RotaryEmbedding(config.head_size, config.rope_base)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_base)
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Normal(0, 0.02) weights (routers included); residual output projections scaled by 1/sqrt(2 n_layer)
+        """Normal(0, 0.02) weights (routers included); residual output projections scaled by 1/sqrt(2 depth)
         as in GPT-2; unit RMSNorm gains."""
         std = 0.02
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                scale = (2 * self.config.n_layer) ** -0.5 if name.endswith(("attn.proj", "down_proj")) else 1.0
+                scale = (2 * self.config.depth) ** -0.5 if name.endswith(("attn.proj", "down_proj")) else 1.0
                 nn.init.normal_(module.weight, std=std * scale)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
@@ -202,7 +163,7 @@ class MoHLlama(nn.Module):
         """One empty ``KVCache`` per layer, on the model's device and dtype."""
         weight = self.lm_head.weight
         max_len = max_len or self.config.block_size
-        return [KVCache(batch_size, self.config.n_kv_head, max_len, self.config.head_size,
+        return [KVCache(batch_size, self.config.num_kv_heads, max_len, self.config.head_dim,
                         device=weight.device, dtype=weight.dtype) for _ in self.blocks]
 
     @torch.no_grad()
@@ -255,5 +216,4 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator)
 
 
-__all__ = ["LLAMA_CONFIGS", "Block", "LlamaConfig", "MoHLlama", "RotaryEmbedding", "SwiGLU", "apply_rope",
-           "llama_config", "sample"]
+__all__ = ["Block", "LlamaConfig", "MoHLlama", "RotaryEmbedding", "SwiGLU", "apply_rope", "sample"]

@@ -14,16 +14,15 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 
-from moh_lightning.layers import pop_load_balance_loss
 from moh_lightning.models.vit import ViTConfig, create_vit
-from moh_lightning.tasks.sharding import ShardableTask, weight_decay_groups
+from moh_lightning.tasks.base import MoHTask, weight_decay_groups
 
 
-class ImageClassifier(ShardableTask):
+class ImageClassifier(MoHTask):
     """Trains a (MoH) ViT classifier and reports top-1 / top-5 accuracy.
 
     Args:
-        vit: The architecture, including the per-layer head budgets.
+        arch: The architecture, including the MoH head budget (``arch.moh``).
         lr: Peak learning rate after warm-up.
         weight_decay: AdamW weight decay (not applied to norms, biases, position embeddings, class token).
         warmup_epochs: Linear warm-up length, in epochs (fractions allowed).
@@ -37,9 +36,11 @@ class ImageClassifier(ShardableTask):
         load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
     """
 
+    head_load_group_name = "class"
+
     def __init__(
             self,
-            vit: ViTConfig,
+            arch: ViTConfig,
             lr: float = 1e-3,
             weight_decay: float = 0.05,
             warmup_epochs: float = 5.0,
@@ -52,12 +53,12 @@ class ImageClassifier(ShardableTask):
             label_smoothing: float = 0.1,
             load_balance_beta: float = 0.01,
     ) -> None:
-        super().__init__()
-        if load_balance_beta < 0:
-            raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
+        super().__init__(load_balance_beta)
         self.save_hyperparameters()
-        self.model = create_vit(vit)
-        num_classes = vit.num_classes
+        # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
+        arch = arch if isinstance(arch, ViTConfig) else ViTConfig(**arch)
+        self.model = create_vit(arch)
+        num_classes = arch.num_classes
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
             self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob,
@@ -75,11 +76,11 @@ class ImageClassifier(ShardableTask):
     def setup(self, stage: str) -> None:
         data_classes = getattr(self.trainer.datamodule, "num_classes", None)
         if isinstance(data_classes, int) and data_classes != self.model.num_classes:
-            raise ValueError(f"model.init_args.vit.num_classes={self.model.num_classes} but the data has "
-                             f"{data_classes} classes: set --model.init_args.vit.num_classes={data_classes}.")
+            raise ValueError(f"model.init_args.arch.num_classes={self.model.num_classes} but the data has "
+                             f"{data_classes} classes: set --model.init_args.arch.num_classes={data_classes}.")
 
     def head_load_groups(self, batch) -> torch.Tensor:
-        """The class of each image, for the per-class head-load plots."""
+        """The class of each image, for the per-class head-load views."""
         return batch[1]
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
@@ -87,11 +88,7 @@ class ImageClassifier(ShardableTask):
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
         task_loss = self.train_criterion(self(images), targets)
-        balance_loss = pop_load_balance_loss(self.model)
-        loss = task_loss
-        if balance_loss is not None:
-            loss = loss + self.hparams.load_balance_beta * balance_loss
-            self.log("train/load_balance_loss", balance_loss)
+        loss = self.with_load_balance(task_loss)
         self.log("train/task_loss", task_loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss

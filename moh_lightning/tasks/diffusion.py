@@ -9,7 +9,7 @@ loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
@@ -17,28 +17,23 @@ from diffusers.training_utils import compute_snr
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
-from moh_lightning.layers import pop_load_balance_loss
-from moh_lightning.models.dit import DIT_CONFIGS, build_dit
+from moh_lightning.models.dit import DiT, DiTConfig
 from moh_lightning.diffusion import GaussianDiffusionLoss
-from moh_lightning.tasks.sharding import ShardableTask
+from moh_lightning.tasks.base import MoHTask
 
 Sampler = Literal["ddpm", "ddim"]
 BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
 
 
-class ClassConditionalDiffusion(ShardableTask):
+class ClassConditionalDiffusion(MoHTask):
     """Trains and samples a class-conditional (MoH-)DiT.
 
     Args:
-        model: Name of a configuration in ``moh_lightning.models.dit.DIT_CONFIGS`` (e.g. ``MoH-DiT-S/2-90``).
-        model_args: Overrides of that configuration (any ``DiT`` argument, e.g. ``depth`` or ``top_k``).
-        input_size: Side of the (latent or pixel) grid the model sees.
-        in_channels: Channels of that grid (4 for SD-VAE latents, 1 for grey digits).
-        num_classes: Conditioning classes.
-        learning_rate: AdamW learning rate (constant after warm-up).
+        arch: The network, including the MoH head budget (``arch.moh``), the grid it sees and its classes.
+        lr: AdamW learning rate (constant after warm-up).
         weight_decay: AdamW weight decay.
         warmup_steps: Linear learning-rate warm-up steps (0 as DiT).
-        load_balance_coef: beta, the weight of MoH's load-balance loss (>= 0).
+        load_balance_beta: Weight beta of MoH's load-balance loss (>= 0).
         num_train_timesteps: Steps of the forward process.
         beta_start: First beta of the linear schedule.
         beta_end: Last beta of the linear schedule.
@@ -53,17 +48,15 @@ class ClassConditionalDiffusion(ShardableTask):
         clip_sample: Clip the predicted clean sample to [-1, 1] while sampling (pixels yes, latents no).
     """
 
+    head_load_group_name = "class"
+
     def __init__(
             self,
-            model: str = "MoH-DiT-S/2-90",
-            model_args: dict[str, Any] | None = None,
-            input_size: int = 32,
-            in_channels: int = 4,
-            num_classes: int = 1000,
-            learning_rate: float = 1e-4,
+            arch: DiTConfig,
+            lr: float = 1e-4,
             weight_decay: float = 0.0,
             warmup_steps: int = 0,
-            load_balance_coef: float = 0.01,
+            load_balance_beta: float = 0.01,
             num_train_timesteps: int = 1000,
             beta_start: float = 1e-4,
             beta_end: float = 0.02,
@@ -74,18 +67,14 @@ class ClassConditionalDiffusion(ShardableTask):
             cfg_scale: float = 1.0,
             clip_sample: bool = False,
     ) -> None:
-        super().__init__()
-        if load_balance_coef < 0:
-            raise ValueError(f"load_balance_coef={load_balance_coef} must be >= 0.")
+        super().__init__(load_balance_beta)
         if snr_gamma is not None and snr_gamma <= 0:
             raise ValueError(f"snr_gamma={snr_gamma} must be > 0, or null for DiT's unweighted loss.")
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: choose 'ddpm' or 'ddim'.")
-        if model not in DIT_CONFIGS:
-            raise ValueError(f"model={model!r} is not a named DiT; choose one of {', '.join(DIT_CONFIGS)}.")
         self.save_hyperparameters()
-        self.model = build_dit(model, **{"input_size": input_size, "in_channels": in_channels,
-                                         "num_classes": num_classes, **(model_args or {})})
+        # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
+        self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
         self.noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                                              beta_start=beta_start, beta_end=beta_end, clip_sample=False)
         self.criterion = GaussianDiffusionLoss(self.noise_scheduler)
@@ -107,11 +96,7 @@ class ClassConditionalDiffusion(ShardableTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         losses = self._diffusion_loss(batch)
-        loss = losses["loss"]
-        balance = pop_load_balance_loss(self.model)
-        if balance is not None:
-            loss = loss + self.hparams.load_balance_coef * balance
-            self.log("train/load_balance_loss", balance)
+        loss = self.with_load_balance(losses["loss"])
         self.log_dict({"train/loss": loss, "train/mse": losses["mse"], "train/vb": losses["vb"]}, prog_bar=True)
         return loss
 
@@ -121,11 +106,11 @@ class ClassConditionalDiffusion(ShardableTask):
                       sync_dist=True)  # the mean over ranks, so every rank's checkpoint callback sees one value
 
     def head_load_groups(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The conditioning class of every sample, for the head-load callback's per-class plots."""
+        """The conditioning class of every sample, for the per-class head-load views."""
         return batch[1]
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.hparams.learning_rate,
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.hparams.lr,
                                       weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.warmup_steps
         if not warmup:
@@ -160,7 +145,7 @@ class ClassConditionalDiffusion(ShardableTask):
         was_training = self.model.training
         self.model.eval()
         labels = labels.to(self.device)
-        size, channels = self.hparams.input_size, self.model.in_channels
+        size, channels = self.model.config.input_size, self.model.in_channels
         x = torch.randn(len(labels), channels, size, size, generator=generator, device="cpu").to(self.device)
         for t in tqdm(scheduler.timesteps, disable=not progress, desc="sampling", leave=False):
             t_batch = torch.full((len(labels),), int(t), device=self.device, dtype=torch.long)

@@ -1,6 +1,6 @@
 """Causal language modelling with a MoH-LLaMA decoder: the paper's LLM recipe (section 4.3, Tab. C / D).
 
-AdamW (weight decay 0.1 on matrices and embeddings, none on norms), linear warm-up from ``warmup_init_lr``
+AdamW (weight decay 0.1 on matrices and embeddings, none on norms), linear warm-up from ``warmup_lr``
 then cosine decay to ``min_lr`` over the token budget, load-balance loss beta 0.01. Gradient clipping (1.0),
 bf16 and gradient accumulation are Trainer settings in the configs. Training stops once ``max_tokens``
 tokens have been consumed. Loss, perplexity and, for the byte tokenizer, bits per byte are logged.
@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 
-from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
-from moh_lightning.tasks.sharding import ShardableTask, weight_decay_groups
+from moh_lightning.tasks.base import MoHTask, weight_decay_groups
 
 
-class LanguageModel(ShardableTask):
+class LanguageModel(MoHTask):
     """Trains a (MoH) LLaMA decoder on next-token prediction.
 
     The decoder is built in ``configure_model`` (Lightning calls it before the strategy wraps the module, and
@@ -26,12 +25,12 @@ class LanguageModel(ShardableTask):
     (``bf16-true`` builds it in bf16), with its pretrained weights, right before FSDP shards it block by block.
 
     Args:
-        llm: The architecture (``moh_lightning.models.llama.LLAMA_CONFIGS`` lists the named ones).
+        arch: The architecture, including the MoH head budget (``arch.moh``).
         init_from_hf: A ``transformers`` LLaMA checkpoint (folder or hub id) to continue-tune: its weights are
-            converted into ``llm`` (whose shapes must match, see ``convert_llama.llm_config_from_hf``).
+            converted into ``arch`` (whose shapes must match, see ``convert_llama.llm_config_from_hf``).
         lr: Maximum learning rate.
         min_lr: Learning rate at the end of the cosine decay.
-        warmup_init_lr: Learning rate at the first step of the linear warm-up.
+        warmup_lr: Learning rate at the first step of the linear warm-up.
         warmup_steps: Optimizer steps of linear warm-up.
         max_tokens: Training budget in tokens; sets the cosine length and stops training once reached.
         weight_decay: AdamW weight decay (not applied to norm gains).
@@ -39,30 +38,29 @@ class LanguageModel(ShardableTask):
         load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
     """
 
+    head_load_group_name = "source"
+
     def __init__(
             self,
-            llm: LlamaConfig | dict,
+            arch: LlamaConfig,
             init_from_hf: str | None = None,
             lr: float = 3e-4,
             min_lr: float = 3e-5,
-            warmup_init_lr: float = 1e-7,
+            warmup_lr: float = 1e-7,
             warmup_steps: int = 2000,
             max_tokens: int = 100_000_000_000,
             weight_decay: float = 0.1,
             betas: tuple[float, float] = (0.9, 0.95),
             load_balance_beta: float = 0.01,
     ) -> None:
-        super().__init__()
-        if load_balance_beta < 0:
-            raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
+        super().__init__(load_balance_beta)
         if max_tokens <= 0:
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
         if not 0 <= min_lr <= lr:
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
         self.save_hyperparameters()
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
-        self.config = llm if isinstance(llm, LlamaConfig) else LlamaConfig(**llm)
-        self.model: MoHLlama | None = None
+        self.config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
         self.tokens_seen = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -71,7 +69,7 @@ class LanguageModel(ShardableTask):
     def setup(self, stage: str) -> None:
         data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
         if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
-            raise ValueError(f"model.init_args.llm.vocab_size={self.config.vocab_size} is smaller than the "
+            raise ValueError(f"model.init_args.arch.vocab_size={self.config.vocab_size} is smaller than the "
                              f"tokenizer's {data_vocab} tokens: set it to at least {data_vocab}.")
 
     def configure_model(self) -> None:
@@ -89,7 +87,7 @@ class LanguageModel(ShardableTask):
         self.model = model
 
     def head_load_groups(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The mixture source of each sequence: head load is compared across corpora."""
+        """The mixture source of each sequence: head use is compared across corpora."""
         return batch.get("source")
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -99,11 +97,7 @@ class LanguageModel(ShardableTask):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         lm_loss = self._loss(batch)
-        loss = lm_loss
-        balance = pop_load_balance_loss(self.model)
-        if balance is not None:
-            loss = loss + self.hparams.load_balance_beta * balance
-            self.log("train/load_balance_loss", balance)
+        loss = self.with_load_balance(lm_loss)
         self.tokens_seen += batch["tokens"][:, 1:].numel() * self.trainer.world_size
         # Set here rather than in on_train_batch_end, which runs after the callbacks: StepCheckpoint then knows
         # this is the last batch and writes `last` at its end.
@@ -121,7 +115,6 @@ class LanguageModel(ShardableTask):
         self.log("val/ppl", loss.exp(), sync_dist=True)
         if getattr(self.trainer.datamodule, "is_byte_level", False):
             self.log("val/bpb", loss / math.log(2), sync_dist=True)
-        self.log("val/activated_heads", activated_head_fraction(self.model))
         self.log("val/tokens", float(self.tokens_seen))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -140,7 +133,7 @@ class LanguageModel(ShardableTask):
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(weight_decay_groups(self.model, self.hparams.weight_decay),
                                       lr=self.hparams.lr, betas=tuple(self.hparams.betas))
-        schedule = warmup_cosine(self.hparams.lr, self.hparams.min_lr, self.hparams.warmup_init_lr,
+        schedule = warmup_cosine(self.hparams.lr, self.hparams.min_lr, self.hparams.warmup_lr,
                                  self.hparams.warmup_steps, self.total_steps())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step) / self.hparams.lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -27,9 +27,9 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
     except (OSError, ValueError):
         tokenizer = None  # a weights-only folder; pass the tokenizer to lm-eval separately
     export_hf(model, out, tokenizer)
-    print(f"wrote {out}: {model.config.num_shared_heads} shared + top-{model.config.top_k} of "
-          f"{model.config.n_head - model.config.num_shared_heads} routed heads "
-          f"({model.config.activated_fraction:.0%} active)")
+    moh = model.config.moh
+    print(f"wrote {out}: {moh.num_shared_heads} shared + top-{moh.top_k} of "
+          f"{model.config.num_heads - moh.num_shared_heads} routed heads ({model.config.activated_fraction:.0%} active)")
     return out
 
 

@@ -75,7 +75,7 @@ def sample(
     if classes:
         labels = torch.tensor([classes[i % len(classes)] for i in range(num_samples)])
     else:
-        labels = torch.randint(0, task.hparams.num_classes, (num_samples,), generator=generator)
+        labels = torch.randint(0, task.model.num_classes, (num_samples,), generator=generator)
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     arrays = []

@@ -1,11 +1,18 @@
-"""What every task needs to train unchanged under Lightning's FSDPStrategy as well as DDP or one device."""
+"""The base of every MoH task: the load-balance loss and its weight, head-load groups, sharding-aware training.
+
+A task (a ``LightningModule`` over one of the suite's models, kept in ``self.model``) subclasses ``MoHTask`` and keeps
+only what makes it that task: its loss, metrics and optimiser recipe.
+"""
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.optim import Optimizer
+
+from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 
 # Layers whose weight matrices take weight decay; norms, biases, position embeddings and class tokens do not.
 DECAYED_LAYERS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
@@ -26,8 +33,41 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class ShardableTask(LightningModule):
-    """A LightningModule whose gradient clipping and callbacks also work under FSDP."""
+class MoHTask(LightningModule):
+    """What every MoH task shares.
+
+    It owns beta, the weight of the routers' load-balance loss (paper Eq. 8): ``with_load_balance`` adds it to the
+    task's loss and logs it. ``head_load_groups`` declares what the head-load dashboards compare heads across (the
+    image class, the text source, ...). Gradient clipping and the callbacks also work under FSDP.
+
+    Args:
+        load_balance_beta: Weight beta of the load-balance loss (>= 0).
+    """
+
+    #: What ``head_load_groups`` returns, in words, for the dashboards' labels ("class", "source", ...).
+    head_load_group_name: str = "group"
+
+    def __init__(self, load_balance_beta: float = 0.01) -> None:
+        super().__init__()
+        if load_balance_beta < 0:
+            raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
+        self.load_balance_beta = load_balance_beta
+        self.model: torch.nn.Module | None = None
+
+    def head_load_groups(self, batch) -> torch.Tensor | None:
+        """The group (B,) of each sample of ``batch`` for the per-group head-load views; None when it has none."""
+        return None
+
+    def with_load_balance(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus beta times the MoH layers' load-balance loss of the last training forward, logged."""
+        balance = pop_load_balance_loss(self.model)
+        if balance is None:
+            return loss
+        self.log("train/load_balance_loss", balance)
+        return loss + self.load_balance_beta * balance
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/activated_heads", activated_head_fraction(self.model))
 
     def on_fit_start(self) -> None:
         if not isinstance(self.trainer.strategy, FSDPStrategy):
@@ -49,4 +89,4 @@ class ShardableTask(LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
-__all__ = ["ShardableTask", "weight_decay_groups"]
+__all__ = ["DECAYED_LAYERS", "MoHTask", "weight_decay_groups"]

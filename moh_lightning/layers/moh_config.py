@@ -1,0 +1,80 @@
+"""The MoH sub-config: one head budget and routing vocabulary for every model (ViT, DiT, the decoder LM).
+
+Each model config holds a ``moh: MoHConfig | None``, so a YAML sets ``arch.moh.top_k`` the same way in all three tasks,
+and every option of the attention block (router, two-stage routing, execution path, per-layer budgets) is reachable
+in each of them. ``moh: null`` is plain multi-head attention with the same weights and no router: the dense baseline.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moh_lightning.layers.budgets import check_head_budget
+from moh_lightning.layers.moh_attention import ExecutionMode
+from moh_lightning.layers.routers import RouterType
+
+
+@dataclass
+class MoHConfig:
+    """Which heads each token uses, and how they are picked.
+
+    Args:
+        num_shared_heads: Always-active heads (the first ones of each layer): one int for every layer, or a list
+            with one entry per layer.
+        top_k: Routed heads picked per token, out of the layer's ``num_heads - num_shared_heads``; one int or one
+            per layer; None picks every routed head.
+        router: ``"learned"`` (paper Eq. 5-6) or ``"query_norm"`` (parameter-free, for continue-tuning).
+        two_stage_routing: Learn the shared / routed balance (Eq. 6); False fixes it at 1/2 each (Tab. 5 ablation).
+        execution: ``"dense"`` computes every head and masks, ``"sparse"`` only the selected (token, head) pairs,
+            ``"auto"`` picks from the shapes.
+    """
+
+    num_shared_heads: int | list[int] = 0
+    top_k: int | list[int] | None = None
+    router: RouterType = "learned"
+    two_stage_routing: bool = True
+    execution: ExecutionMode = "auto"
+
+    def layers(self, num_heads: int | Sequence[int], depth: int) -> list[dict]:
+        """``MoHAttention`` keyword arguments for each of ``depth`` layers, every budget checked."""
+        heads = _per_layer(num_heads, depth, "num_heads")
+        shared = _per_layer(self.num_shared_heads, depth, "moh.num_shared_heads")
+        top_k = _per_layer(self.top_k, depth, "moh.top_k")
+        common = {"router": self.router, "two_stage_routing": self.two_stage_routing, "execution": self.execution}
+        return [{**common, "num_shared_heads": s, "top_k": check_head_budget(h, s, k, where=f"layer {i}")}
+                for i, (h, s, k) in enumerate(zip(heads, shared, top_k))]
+
+
+def attention_layers(moh: MoHConfig | None, num_heads: int | Sequence[int], depth: int) -> list[dict]:
+    """``MoHAttention`` keyword arguments for each layer of a model: routed per ``moh``, or dense when it is None."""
+    if moh is None:
+        return [{"dense": True} for _ in range(depth)]
+    return moh.layers(num_heads, depth)
+
+
+def activated_fraction(moh: MoHConfig | None, num_heads: int | Sequence[int], depth: int) -> float:
+    """Share of all the model's heads a token uses."""
+    heads = _per_layer(num_heads, depth, "num_heads")
+    if moh is None:
+        return 1.0
+    active = sum(layer["num_shared_heads"] + (layer["top_k"] if h > layer["num_shared_heads"] else 0)
+                 for h, layer in zip(heads, moh.layers(heads, depth)))
+    return active / sum(heads)
+
+
+def as_moh_config(value: MoHConfig | dict | None) -> MoHConfig | None:
+    """A ``MoHConfig`` from itself or from the dict a checkpoint's hyper-parameters hold."""
+    return MoHConfig(**value) if isinstance(value, dict) else value
+
+
+def _per_layer(value: int | Sequence[int] | None, depth: int, key: str) -> list:
+    """A scalar for every layer, or a list checked to have one entry per layer."""
+    if value is None or isinstance(value, int):
+        return [value] * depth
+    value = list(value)
+    if len(value) != depth:
+        raise ValueError(f"{key} has {len(value)} entries but depth={depth}: give one per layer or a single int.")
+    return value
+
+
+__all__ = ["MoHConfig", "activated_fraction", "as_moh_config", "attention_layers"]
