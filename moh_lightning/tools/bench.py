@@ -8,6 +8,8 @@ keeps no statistics, and tracemalloc does not see its allocations.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moh_lightning.layers import KVCache, MoHAttention, MoHRouter
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention
@@ -211,36 +214,42 @@ def _layer_section(report: Report, lengths, repeats, warmup) -> None:
     report.table(["attention", "N", "MHA ms", "MoH 50% auto", "MoH 50% sparse", "MoH 50% dense-and-mask"], rows)
 
 
-_MEMORY_PROBE = """
-import contextlib, json, re, sys, torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from moh_lightning.tools.bench import _layer, BATCH, HEADS, HEAD_DIM
-causal, dense, execution, length, materialised = json.loads(sys.argv[1])
-torch.set_num_threads(1)
-layer = _layer(causal, dense, execution)
-x = torch.randn(BATCH, length, HEADS * HEAD_DIM, requires_grad=True)
-def backend():
-    return sdpa_kernel(SDPBackend.MATH) if materialised else contextlib.nullcontext()
-with backend():
-    layer(x[:, :64]).sum().backward()  # lazy initialisation outside the measurement
-def status(key):
-    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
-layer.zero_grad(set_to_none=True); x.grad = None
-before = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
-with backend():
-    layer(x).sum().backward()
-print(json.dumps((status("VmHWM") - before) / 1024))
-"""
-
-
 def _peak_mib(causal: bool, dense: bool, execution: str, length: int, materialised: bool = False) -> float:
     """Peak memory of one layer forward + backward in a fresh process (see the module docstring)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    spec = json.dumps([causal, dense, execution, length, materialised])
-    done = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, spec], env=env, capture_output=True, text=True,
-                          check=True)
+    flags = [f"--{name}" for name, on in (("causal", causal), ("dense", dense), ("materialised", materialised)) if on]
+    command = [sys.executable, "-m", "moh_lightning.tools.bench", "peak-memory", "--execution", execution,
+               "--length", str(length), *flags]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_peak_mib(causal: bool, dense: bool, execution: str, length: int, materialised: bool) -> float:
+    """The child's side of ``_peak_mib``: resident-set growth in MiB of one layer forward + backward.
+
+    Only meaningful as the first measurement of a fresh process started with ``_peak_mib``'s malloc settings.
+    """
+    torch.set_num_threads(1)
+    layer = _layer(causal, dense, execution)
+    x = torch.randn(BATCH, length, HEADS * HEAD_DIM, requires_grad=True)
+
+    def backend():
+        return sdpa_kernel(SDPBackend.MATH) if materialised else contextlib.nullcontext()
+
+    with backend():
+        layer(x[:, :64]).sum().backward()  # lazy initialisation outside the measurement
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    with backend():
+        layer(x).sum().backward()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def _status_kib(key: str) -> int:
+    """A KiB entry of ``/proc/self/status`` (VmRSS: resident now; VmHWM: resident high-water mark)."""
+    return int(re.search(key + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
 def _memory_section(report: Report, length: int) -> None:
@@ -437,3 +446,22 @@ def _plot(report: Report, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """``python -m moh_lightning.tools.bench peak-memory ...``: the fresh process of one peak-memory measurement."""
+    parser = argparse.ArgumentParser(prog="python -m moh_lightning.tools.bench",
+                                     description="Helpers of `moh bench` that need a process of their own.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    peak = commands.add_parser("peak-memory", help="Print the peak memory (MiB) of one layer forward + backward.")
+    peak.add_argument("--length", type=int, required=True, help="Sequence length N.")
+    peak.add_argument("--execution", choices=("auto", "dense", "sparse"), default="auto")
+    peak.add_argument("--causal", action="store_true")
+    peak.add_argument("--dense", action="store_true", help="Plain multi-head attention instead of MoH.")
+    peak.add_argument("--materialised", action="store_true", help="Force SDPA's math backend.")
+    args = parser.parse_args(argv)
+    print(json.dumps(_measure_peak_mib(args.causal, args.dense, args.execution, args.length, args.materialised)))
+
+
+if __name__ == "__main__":
+    _main()
