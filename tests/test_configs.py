@@ -1,0 +1,113 @@
+"""The shipped configs: each builds exactly the experiment it built before the restructuring, each runs, and together
+they state every shared part once."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import textwrap
+import typing
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from moh_lightning.cli import config_dir, main, shipped_configs
+from resolved_settings import settings
+
+MAIN = json.loads((Path(__file__).parent / "data" / "main_settings.json").read_text())
+
+# Keys renamed into the one vocabulary; the architecture itself is compared through what is built (shapes, budgets).
+RENAMED = {"learning_rate": "lr", "load_balance_coef": "load_balance_beta", "warmup_init_lr": "warmup_lr"}
+OLD_ARCHITECTURE_KEYS = ("vit.", "llm.", "model_args")
+OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"}
+
+
+def _task_hparams(task: dict) -> dict:
+    out = {}
+    for key, value in task["hparams"].items():
+        if key.startswith((*OLD_ARCHITECTURE_KEYS, "arch.")):
+            continue
+        if task["class"] == "ClassConditionalDiffusion" and key in OLD_DIT_ARCHITECTURE_KEYS:
+            continue
+        out[RENAMED.get(key, key)] = value
+    return out
+
+
+def _callbacks(callbacks: list) -> list:
+    # The intended change: the run folder's last.ckpt is StepCheckpoint's alone, so the recipes' ModelCheckpoint (best
+    # or periodic checkpoints in the same folder) no longer writes a second last.ckpt there.
+    return [[name, {k: v for k, v in attrs.items() if not (name == "ModelCheckpoint" and k == "save_last")}]
+            for name, attrs in callbacks]
+
+
+def _layers(layers: list) -> list:
+    # A dense layer has no router, so its execution mode is never read: only routed layers' modes count.
+    return [layer if layer[5] is not None else [*layer[:4], None, *layer[5:]] for layer in layers]
+
+
+def test_every_shipped_experiment_is_in_the_snapshot():
+    assert sorted(MAIN) == shipped_configs()
+
+
+@pytest.mark.parametrize("name", sorted(MAIN))
+def test_config_builds_what_it_built_before(name):
+    old, new = MAIN[name], settings(name)
+    assert new["seed"] == old["seed"]
+    assert new["trainer"] == old["trainer"]
+    assert new["data"] == old["data"]
+    assert new["task"]["class"] == old["task"]["class"]
+    assert _task_hparams(new["task"]) == _task_hparams(old["task"])
+    assert new["state_dict"] == old["state_dict"]
+    assert _layers(new["attention_layers"]) == _layers(old["attention_layers"])
+    assert new["dropout"] == old["dropout"]
+    assert _callbacks(new["callbacks"]) == _callbacks(old["callbacks"])
+
+
+def _experiment_lines() -> dict[str, list[str]]:
+    return {name: (config_dir() / name).read_text().splitlines() for name in shipped_configs()}
+
+
+def _structural(line: str) -> bool:
+    """Comments, blank lines, keys that only open a section, and the ``extends`` line that names the shared recipe."""
+    text = line.split("#", 1)[0].strip()
+    return not text or re.fullmatch(r"[\w.]+:", text) is not None or text.startswith("extends:")
+
+
+def test_experiment_configs_are_short_and_state_only_what_differs():
+    lines = _experiment_lines()
+    assert sum(len(body) for body in lines.values()) <= 1000
+    counts = Counter(line.strip() for body in lines.values() for line in set(body) if not _structural(line))
+    assert [line for line, n in counts.items() if n >= 10] == []
+
+
+# Small enough to run a real fast_dev_run on the CPU here; the others are built on the meta device above.
+RUNNABLE = ["vit_tiny_mnist_75.yaml", "vit_tiny_mnist_50.yaml", "vit_tiny_mnist_100.yaml", "dit_mnist_90.yaml",
+            "dit_mnist_75.yaml", "dit_mnist_100.yaml", "llm_stdlib_75.yaml", "llm_stdlib_50.yaml",
+            "llm_stdlib_100.yaml"]
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory) -> Path:
+    """A few of the standard library's own modules, as a small Python corpus."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for module in (argparse, json, random, re, textwrap, typing):
+        source = Path(module.__file__)
+        folder.joinpath(f"{module.__name__}.py").write_text(source.read_text())
+    return folder
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_cpu_config_runs_fast_dev_run(name, run_dir, text_corpus):
+    extra = ["--data.init_args.sources", f"[{{path: {text_corpus}, pattern: '*.py', val_fraction: 0.3}}]"] \
+        if name.startswith("llm") else []
+    main(["fit", "--config", name, "--trainer.fast_dev_run", "1", "--data.init_args.batch_size", "4", *extra])
+
+
+def test_shipped_configs_print_their_whole_config(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", "vit_s_75.yaml", "--print_config"])
+    assert stop.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "top_k:" in printed and "AtomicCheckpointIO" in printed and "every_n_train_steps: 1000" in printed
