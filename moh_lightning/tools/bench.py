@@ -336,8 +336,13 @@ def _decode_section(report: Report, caches, fractions, repeats, warmup) -> None:
 
 
 def _model_section(report: Report, repeats: int, warmup: int) -> None:
-    from moh_lightning.models.llama import MoHLlama, llama_config
-    from moh_lightning.models.vit import create_vit, vit_config
+    from moh_lightning.layers.moh_config import MoHConfig
+    from moh_lightning.models.llama import LlamaConfig, MoHLlama
+    from moh_lightning.models.vit import ViTConfig, create_vit
+
+    # The shapes of the shipped vit_s_*.yaml and llm_s_*.yaml: ViT-S/16 and LLM-S are the configs' defaults.
+    vit_s = {"vit_s_100": ViTConfig(moh=None), "vit_s_75": ViTConfig(moh=MoHConfig(2, [3] * 6 + [2] * 6))}
+    llm_s = {"llm_s_100": None, "llm_s_75": MoHConfig(6, 3), "llm_s_50": MoHConfig(3, 3)}
 
     batch = 8
     report.lines += [
@@ -347,9 +352,9 @@ def _model_section(report: Report, repeats: int, warmup: int) -> None:
     ]
     images, labels = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))
     steps = {}
-    for name in ("vit_s_100", "vit_s_75"):
+    for name in vit_s:
         torch.manual_seed(0)
-        model = create_vit(vit_config(name)).train()
+        model = create_vit(vit_s[name]).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step(model=model, optimizer=optimizer):
@@ -371,9 +376,9 @@ def _model_section(report: Report, repeats: int, warmup: int) -> None:
     rows = []
     for length in (1024, 4096):
         fns = {}
-        for name in ("llm_s_100", "llm_s_75", "llm_s_50"):
+        for name in llm_s:
             torch.manual_seed(0)
-            model = MoHLlama(llama_config(name, block_size=length + 1)).eval()
+            model = MoHLlama(LlamaConfig(block_size=length + 1, moh=llm_s[name])).eval()
             caches = model.init_kv_caches(BATCH, length + 1)
             for cache in caches:
                 cache.k.normal_(), cache.v.normal_()
