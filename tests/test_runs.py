@@ -1,0 +1,74 @@
+"""Run folders: a run never continues or overwrites another run's weights."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from moh_lightning.cli import main
+
+
+def _corpus(folder: Path, seed: int) -> Path:
+    """A few Python-looking files, different for each seed."""
+    folder.mkdir()
+    rng = torch.Generator().manual_seed(seed)
+    for i in range(6):
+        words = torch.randint(0, 50, (3000,), generator=rng).tolist()
+        folder.joinpath(f"f{i}.py").write_text("\n".join(f"def f{w}(x):\n    return x + {w}" for w in words))
+    return folder
+
+
+def _fit(corpus: Path, *extra: str) -> None:
+    sources = f"[{{path: {corpus}, pattern: '*.py', val_fraction: 0.3}}]"
+    main(["fit", "--config", "llm_stdlib_75.yaml", "--data.init_args.sources", sources,
+          "--model.init_args.max_tokens", "8192", "--data.init_args.batch_size", "4", "--data.init_args.seq_len", "64",
+          "--model.init_args.arch.block_size", "64", "--trainer.val_check_interval", "4",
+          "--trainer.limit_val_batches", "1", "--checkpoint.every_n_train_steps", "4", *extra])
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_of_the_same_config_never_resumes_another_runs_weights(run_dir):
+    """The collision of the house issue: two runs of one config, other data and name, the second with --ckpt_path last."""
+    mine, other = _corpus(run_dir / "my_corpus", 0), _corpus(run_dir / "other_corpus", 1)
+    _fit(mine, "--trainer.logger.init_args.name", "my_run")
+    first = run_dir / "runs" / "my_run"
+    assert (first / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    before = _snapshot(first)
+
+    _fit(other, "--ckpt_path", "last")  # named after the config: nothing of my_run to resume
+
+    assert _snapshot(first) == before  # every file of the first run intact
+    second = run_dir / "runs" / "llm_stdlib_75" / "version_0"
+    saved = torch.load(second / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    first_saved = torch.load(first / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                             weights_only=False)
+    assert saved["global_step"] == first_saved["global_step"]  # it trained its full budget from scratch
+    assert not torch.equal(saved["state_dict"]["model.embed.weight"], first_saved["state_dict"]["model.embed.weight"])
+
+
+def test_resuming_with_other_data_stops_in_one_line_and_keeps_the_run(run_dir, capsys):
+    corpus, other = _corpus(run_dir / "corpus", 0), _corpus(run_dir / "other", 1)
+    _fit(corpus)
+    run = run_dir / "runs" / "llm_stdlib_75"
+    before = _snapshot(run)
+    with pytest.raises(SystemExit) as stop:
+        _fit(other, "--ckpt_path", "last")
+    message = str(stop.value)
+    assert "\n" not in message and "data.init_args.sources" in message and "version_0" in message
+    assert _snapshot(run) == before
+
+
+def test_a_resumed_run_continues_in_its_own_folder_and_a_fresh_one_gets_a_new_one(run_dir):
+    corpus = _corpus(run_dir / "corpus", 0)
+    _fit(corpus, "--model.init_args.max_tokens", "4096")
+    run = run_dir / "runs" / "llm_stdlib_75"
+    _fit(corpus, "--model.init_args.max_tokens", "4096", "--trainer.max_steps", "24", "--ckpt_path", "last")
+    assert [p.name for p in run.iterdir() if p.name.startswith("version_")] == ["version_0"]
+    _fit(corpus)  # without --ckpt_path: a new run of the same name, beside the first
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
