@@ -1,0 +1,113 @@
+"""The house: floors imported only downwards, and the registries every task and model is tested through."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import moh_lightning
+from moh_lightning.cli import shipped_configs
+from moh_lightning.layers import MoHAttention, pop_load_balance_loss
+from moh_lightning.tasks import TASKS, MoHTask
+
+PACKAGE = Path(moh_lightning.__file__).parent
+
+# layers <- models (and the diffusion maths, the data modules) <- tasks <- tools and callbacks <- cli (and the sweep,
+# which drives the CLI).
+FLOORS = {"layers": 0, "models": 1, "diffusion": 1, "data": 1, "tasks": 2, "callbacks": 3, "tools": 3,
+          "checkpoint_io": 3, "runs": 4, "cli": 4, "sweep": 4}
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 and parts[0] == "moh_lightning" else None
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``moh_lightning`` module a file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("moh_lightning")}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out.append((".".join(["moh_lightning", *[p for p in parts if p != "__init__"]]), path))
+    return out
+
+
+def test_every_module_lives_on_a_floor():
+    homeless = [name for name, _ in _modules() if name != "moh_lightning" and _floor(name) is None]
+    assert homeless == []
+
+
+def test_nothing_imports_up_the_house():
+    upward = []
+    for name, path in _modules():
+        floor = _floor(name)
+        if name == "moh_lightning":  # the package re-exports the MoH block only
+            floor = FLOORS["layers"]
+        for imported in _imports(path):
+            if (_floor(imported) or 0) > floor:
+                upward.append(f"{name} imports {imported}")
+    assert upward == []
+
+
+def test_every_task_has_a_shipped_config():
+    classes = {name: cls for name, cls in TASKS.items()}
+    assert all(issubclass(cls, MoHTask) for cls in classes.values())
+    configs = " ".join((PACKAGE.parent / "cli_configs" / "recipes" / p.name).read_text()
+                       for p in (PACKAGE.parent / "cli_configs" / "recipes").glob("*.yaml"))
+    assert all(f"moh_lightning.tasks.{cls.__name__}" in configs for cls in classes.values())
+    assert len(shipped_configs()) >= len(TASKS)
+
+
+# Named models are the shipped experiment configs; those small enough for this CPU train a step here.
+SMALL = ["vit_tiny_mnist_75.yaml", "vit_tiny_mnist_50.yaml", "vit_tiny_mnist_100.yaml", "dit_mnist_90.yaml",
+         "dit_mnist_75.yaml", "dit_mnist_100.yaml", "llm_stdlib_75.yaml", "llm_stdlib_50.yaml", "llm_stdlib_100.yaml"]
+
+
+def _task(name: str) -> MoHTask:
+    from moh_lightning.cli import MoHLightningCLI
+    cli = MoHLightningCLI(args=["--config", name, "--trainer.logger", "false"], run=False)
+    task = cli.model
+    if task.model is None:
+        task.configure_model()
+    return task
+
+
+def _forward(task: MoHTask) -> torch.Tensor:
+    """The network's output on a small random input of the shape its config declares."""
+    net = task.model
+    if task.head_load_group_name == "source":
+        return net(torch.randint(0, net.config.vocab_size, (2, 32)))
+    if hasattr(net, "config"):  # DiT
+        size = net.config.input_size
+        return net(torch.randn(2, net.config.in_channels, size, size), torch.tensor([3, 900]), torch.tensor([1, 2]))
+    return net(torch.randn(2, net.patch_embed.proj.in_channels, *net.patch_embed.img_size))
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_named_model_forward_and_backward_are_finite(name):
+    torch.manual_seed(0)
+    task = _task(name).train()
+    out = _forward(task)
+    loss = out.float().pow(2).mean()
+    balance = pop_load_balance_loss(task.model)
+    if balance is not None:
+        loss = loss + balance
+    assert torch.isfinite(loss)
+    loss.backward()
+    missing = [n for n, p in task.model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+    assert all(torch.isfinite(p.grad).all() for p in task.model.parameters() if p.grad is not None)
+    routed = [m for m in task.modules() if isinstance(m, MoHAttention) and m.is_moh]
+    assert ("100" in name) == (not routed)
