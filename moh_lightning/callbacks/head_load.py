@@ -3,8 +3,8 @@
 Counts come from every MoH layer's ``last_gates`` after each training batch (a head is "loaded" by a token
 when its gate is non-zero), summed over the logging window and over DDP ranks. At the end of validation, the
 routed-head load per class of the deepest MoH layer that has routed heads (paper Fig. 3) is drawn with
-matplotlib, logged as an image and saved as ``head_load/epoch_XXX.png`` in the run folder. Works with any task whose LightningModule exposes
-``head_load_groups(batch)``.
+matplotlib, logged as an image and saved as ``head_load/epoch_XXX.png`` in the run folder. The groups come from
+the task's ``MoHTask.head_load_groups(batch)``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib.figure import Figure
 
-from moh_lightning.tasks.base import MoHTask
 from moh_lightning.layers import MoHAttention, moh_layers
+from moh_lightning.tasks.base import MoHTask
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ class HeadLoadCallback(Callback):
         shared = self._plot_layer.router.num_shared_heads
         load = counts[:, shared:] / tokens[:, None].clamp_min(1)
         figure = plot_class_head_load(load[: self.max_plot_classes], first_head=shared,
-                                      title=f"Routed-head load, deepest routed MoH layer (epoch {trainer.current_epoch})")
+                                      title="Routed-head load, deepest routed MoH layer "
+                                            f"(epoch {trainer.current_epoch})")
         folder.mkdir(parents=True, exist_ok=True)
         figure.savefig(folder / f"epoch_{trainer.current_epoch:03d}.png", dpi=100)
         for logger in trainer.loggers:

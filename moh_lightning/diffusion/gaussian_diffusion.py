@@ -20,7 +20,8 @@ def _normal_kl(mean1: torch.Tensor, logvar1: torch.Tensor, mean2: torch.Tensor, 
     return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
 
 
-def _discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
+def _discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor,
+                                         log_scales: torch.Tensor) -> torch.Tensor:
     """Log-probability of data in [-1, 1] quantised to 256 bins under a Gaussian (the bound's t = 0 decoder term)."""
     centered = x - means
     inv_std = torch.exp(-log_scales)
@@ -66,7 +67,8 @@ class GaussianDiffusionLoss(torch.nn.Module):
     def variational_bound(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, eps: torch.Tensor,
                           var_values: torch.Tensor) -> torch.Tensor:
         """Per-sample bound term in bits per dimension: KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t)), decoder NLL at t=0."""
-        pred_x0 = self._at("sqrt_recip_alphas_cumprod", t, x_t) * x_t - self._at("sqrt_recipm1_alphas_cumprod", t, x_t) * eps
+        pred_x0 = (self._at("sqrt_recip_alphas_cumprod", t, x_t) * x_t
+                   - self._at("sqrt_recipm1_alphas_cumprod", t, x_t) * eps)
         coef1, coef2 = self._at("posterior_mean_coef1", t, x_t), self._at("posterior_mean_coef2", t, x_t)
         model_mean = coef1 * pred_x0 + coef2 * x_t
         true_mean = coef1 * x0 + coef2 * x_t
@@ -74,7 +76,8 @@ class GaussianDiffusionLoss(torch.nn.Module):
         frac = (var_values + 1) / 2
         model_log_variance = frac * self._at("log_betas", t, x_t) + (1 - frac) * min_log
         kl = _mean_flat(_normal_kl(true_mean, min_log, model_mean, model_log_variance)) / math.log(2.0)
-        nll = -_mean_flat(_discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_variance)) / math.log(2.0)
+        log_likelihood = _discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_variance)
+        nll = -_mean_flat(log_likelihood) / math.log(2.0)
         return torch.where(t == 0, nll, kl)
 
     def forward(self, model_output: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,

@@ -71,7 +71,7 @@ class LabelEmbedder(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """Transformer block whose norms are modulated and whose residual branches are gated by the condition (adaLN-Zero)."""
+    """Transformer block whose norms are modulated and residual branches gated by the condition (adaLN-Zero)."""
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, head_dim: int | None = None,
                  **moh: Any) -> None:

@@ -125,7 +125,8 @@ class MoHLlama(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
-        self.blocks = nn.ModuleList(Block(config, moh) for moh in attention_layers(config.moh, config.num_heads, config.depth))
+        layers = attention_layers(config.moh, config.num_heads, config.depth)
+        self.blocks = nn.ModuleList(Block(config, moh) for moh in layers)
         self.norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -17,8 +17,8 @@ from diffusers.training_utils import compute_snr
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
-from moh_lightning.models.dit import DiT, DiTConfig
 from moh_lightning.diffusion import GaussianDiffusionLoss
+from moh_lightning.models.dit import DiT, DiTConfig
 from moh_lightning.tasks.base import MoHTask
 
 Sampler = Literal["ddpm", "ddim"]

@@ -29,7 +29,8 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
     export_hf(model, out, tokenizer)
     moh = model.config.moh
     print(f"wrote {out}: {moh.num_shared_heads} shared + top-{moh.top_k} of "
-          f"{model.config.num_heads - moh.num_shared_heads} routed heads ({model.config.activated_fraction:.0%} active)")
+          f"{model.config.num_heads - moh.num_shared_heads} routed heads "
+          f"({model.config.activated_fraction:.0%} active)")
     return out
 
 
