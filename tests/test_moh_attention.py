@@ -73,14 +73,24 @@ def test_uniform_router_with_every_head_active_is_multi_head_attention():
 def test_load_balance_loss_hand_computed():
     probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]])
     selected = torch.tensor([[True, False, False], [False, True, False]])
-    # f = [1/2, 1/2, 0], P = [0.3, 0.45, 0.25]; sum f P = 0.375; times E / k = 3
-    assert load_balance_loss(probs, selected, None, top_k=1).item() == pytest.approx(1.125)
+    # f = [1/2, 1/2, 0], P = [0.3, 0.45, 0.25]; sum f P = 0.375; times E = 3
+    assert load_balance_loss(probs, selected, None).item() == pytest.approx(1.125)
     # the padded second token does not count: f = [1, 0, 0], P = [0.5, 0.3, 0.2] -> 0.5 * 3
     valid = torch.tensor([True, False])
-    assert load_balance_loss(probs, selected, valid, top_k=1).item() == pytest.approx(1.5)
+    assert load_balance_loss(probs, selected, valid).item() == pytest.approx(1.5)
     balanced = torch.full((4, 4), 0.25)
     balanced_selection = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
-    assert load_balance_loss(balanced, balanced_selection, None, top_k=2).item() == pytest.approx(1.0)
+    # The authors' scale: a balanced router's loss is k (here 2 of E = 4), E times the paper's Eq. 7.
+    assert load_balance_loss(balanced, balanced_selection, None).item() == pytest.approx(2.0)
+
+
+def test_load_balance_loss_is_the_authors_formula():
+    """SkyworkAI/MoH computes ``torch.mean(me * ce) * E * E`` (me: mean gate, ce: fraction selecting each head)."""
+    torch.manual_seed(0)
+    probs = torch.randn(64, 6).softmax(-1)
+    mask = torch.zeros_like(probs).scatter_(-1, probs.topk(2, dim=-1).indices, 1.0)
+    authors = torch.mean(probs.mean(0) * mask.mean(0)) * 6 * 6
+    torch.testing.assert_close(load_balance_loss(probs, mask.bool(), None), authors)
 
 
 def test_layer_load_balance_loss_matches_its_router_and_is_cleared_once_read():
@@ -89,7 +99,7 @@ def test_layer_load_balance_loss_matches_its_router_and_is_cleared_once_read():
     layer(x)
     probs = layer.router.routed_router(x.reshape(-1, DIM)).softmax(-1)
     selected = layer.last_gates.reshape(-1, HEADS)[:, 2:] > 0
-    expected = load_balance_loss(probs, selected, None, top_k=2)
+    expected = load_balance_loss(probs, selected, None)
     model = torch.nn.Sequential(layer)
     torch.testing.assert_close(pop_load_balance_loss(model), expected)
     assert layer.load_balance_loss is None and pop_load_balance_loss(model) is None

@@ -23,14 +23,15 @@ class RouterOutput:
         self.load_balance_loss = load_balance_loss
 
 
-def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.Tensor | None,
-                      top_k: int) -> torch.Tensor:
-    """Paper Eq. 7 over the routed heads, scaled by E / k so that a perfectly balanced router gives 1.
+def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The routed heads' load-balance loss at the authors' scale: E * sum_i f_i P_i, so a balanced router gives k.
 
-    ``probs`` (T, E) are the routed-head softmax scores, ``selected`` (T, E) the top-k indicator and
-    ``valid`` (T,) marks real (non-padding) tokens. f_i is the fraction of tokens selecting head i (it sums
-    to k over heads), P_i the mean score; balanced routing has f_i = k / E and P_i = 1 / E. Under
-    torch.distributed with several processes, f_i counts the tokens of every rank while P_i stays local.
+    ``probs`` (T, E) are the routed-head softmax scores, ``selected`` (T, E) the top-k indicator and ``valid`` (T,)
+    marks real (non-padding) tokens. f_i is the fraction of tokens selecting head i (it sums to k over heads), P_i the
+    mean score; balanced routing has f_i = k / E and P_i = 1 / E, hence the loss k. The paper's Eq. 7 writes
+    sum_i f_i P_i with no factor E; the authors' MoH-ViT and MoH-DiT code computes ``mean(P * f) * E * E``, which is
+    E times Eq. 7, and their beta = 0.01 weights that: so does this suite. Under torch.distributed with several
+    processes, f_i counts the tokens of every rank while P_i stays local.
     """
     num_routed = probs.shape[-1]
     weight = probs.new_ones(probs.shape[0], 1) if valid is None else valid.to(probs.dtype)[:, None]
@@ -47,7 +48,7 @@ def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.
         torch.distributed.all_reduce(counts)
     fraction = (counts[:-1] / counts[-1].clamp_min(1.0)).to(probs.dtype)
     mean_prob = (probs * weight).sum(0) / local_tokens
-    return (fraction * mean_prob).sum() * (num_routed / top_k)
+    return (fraction * mean_prob).sum() * num_routed
 
 
 def _select_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -94,7 +95,7 @@ class MoHRouter(nn.Module):
             kept = probs * selected
             routed = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps) * self.top_k
             if self.training and self.top_k < self.num_routed_heads:
-                loss = load_balance_loss(probs, selected, valid, self.top_k)
+                loss = load_balance_loss(probs, selected, valid)
         if self.type_router is not None:
             alpha = self.type_router(tokens).softmax(-1) * 2
             shared, routed = shared * alpha[:, :1], routed * alpha[:, 1:]
@@ -147,6 +148,6 @@ class QueryNormRouter(nn.Module):
         routed = _StraightThrough.apply(probs, selected).to(q.dtype)
         loss = None
         if self.training and self.top_k < self.num_routed_heads:
-            loss = load_balance_loss(probs, selected, valid, self.top_k)
+            loss = load_balance_loss(probs, selected, valid)
         gates = torch.cat([shared, routed], dim=-1).reshape(batch, length, self.num_heads)
         return RouterOutput(gates, loss)
