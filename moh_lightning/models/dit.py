@@ -221,17 +221,20 @@ class DiT(nn.Module):
         x = self.final_layer(x, c)                                              # (B, N, p*p*C_out)
         return self.unpatchify(x)                                               # (B, C_out, H, W)
 
-    def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float,
+                         channels: int | None = None) -> torch.Tensor:
         """Classifier-free guidance: conditional and null-class passes in one batch, guided noise returned.
 
-        Guidance is applied to all noise channels (DiT's code guides only the first three, for reproducibility of
-        its published numbers); the variance channels are the conditional pass's.
+        The first ``channels`` noise channels are guided (all when None; DiT's code guides three of the four latent
+        channels, for reproducibility of its published numbers); the others, and the variance channels, are the
+        conditional pass's.
         """
         null = torch.full_like(y, self.num_classes)
         out = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
         cond, uncond = out.chunk(2)
-        eps = uncond[:, :self.in_channels] + cfg_scale * (cond[:, :self.in_channels] - uncond[:, :self.in_channels])
-        return torch.cat([eps, cond[:, self.in_channels:]], dim=1)
+        guided = self.in_channels if channels is None else channels
+        eps = uncond[:, :guided] + cfg_scale * (cond[:, :guided] - uncond[:, :guided])
+        return torch.cat([eps, cond[:, guided:]], dim=1)
 
 
 def sincos_pos_embed_2d(embed_dim: int, grid_size: int) -> torch.Tensor:

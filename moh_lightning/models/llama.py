@@ -81,9 +81,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates ``x`` (B, h, T, d) in the rotate-half layout of LLaMA's Hugging Face checkpoints."""
+    # In the activations' dtype, as transformers' LLaMA: fp32 tables on bf16 activations would round differently
+    # from the pretrained model.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return x * cos + rotated * sin
 
 
 class SwiGLU(nn.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,10 @@ from torch_fidelity.metric_isc import isc_featuresdict_to_metric
 from torch_fidelity.metric_prc import prc_featuresdict_to_metric
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 from torch_fidelity.utils import create_feature_extractor, extract_featuresdict_from_input_id_cached
+
+# ADM's evaluator (guided-diffusion evaluations/evaluator.py) scores IS over splits of 5,000 samples; torch-fidelity
+# takes a number of splits instead.
+IS_SPLIT_SIZE = 5000
 
 SFID_EXTRACTOR = "inception-v3-compat-sfid"
 SFID_FEATURE = "spatial_2023"
@@ -116,6 +121,11 @@ def _weights_tag(weights: str | None) -> str:
     return hashlib.sha1(str(Path(weights).resolve()).encode()).hexdigest()[:8]
 
 
+def inception_score_splits(num_samples: int) -> int:
+    """Splits of ``IS_SPLIT_SIZE`` samples, as ADM's evaluator, so an IS compares with ADM's at any sample count."""
+    return max(1, math.ceil(num_samples / IS_SPLIT_SIZE))
+
+
 def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name: str | None = None,
                      weights: str | None = None, batch_size: int = 50, device: str = "cpu",
                      cache_root: str | None = None, verbose: bool = False) -> dict[str, float]:
@@ -131,7 +141,7 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     kwargs = dict(
         input1=ImageArrayDataset(samples), input2=ImageArrayDataset(reference), batch_size=batch_size,
         feature_extractor_weights_path=weights, verbose=verbose, cache_root=cache_root,
-        cache=reference_name is not None, samples_shuffle=False, isc_splits=max(1, min(10, len(samples))),
+        cache=reference_name is not None, samples_shuffle=False, isc_splits=inception_score_splits(len(samples)),
         cuda=device.startswith("cuda"),
     )
     if reference_name is not None:
