@@ -38,11 +38,11 @@ def llm_config_from_hf(hf_config, num_shared_heads: int | None = None, top_k: in
         top_k = max(1, (n_head - shared) // 2) if n_head > shared else 0
     return LlamaConfig(
         vocab_size=hf_config.vocab_size,
-        n_layer=hf_config.num_hidden_layers,
-        n_embd=hf_config.hidden_size,
-        n_head=n_head,
-        head_size=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head,
-        n_kv_head=hf_config.num_key_value_heads,
+        depth=hf_config.num_hidden_layers,
+        embed_dim=hf_config.hidden_size,
+        num_heads=n_head,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head,
+        num_kv_heads=hf_config.num_key_value_heads,
         intermediate_size=hf_config.intermediate_size,
         block_size=hf_config.max_position_embeddings,
         rope_base=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
