@@ -3,9 +3,11 @@
 ``from_hf`` turns a ``LlamaForCausalLM`` (local folder or hub id) into ``MoHLlama`` with the parameter-free
 query-norm router: the first ``num_shared_heads`` heads of every layer are shared (half by default, as the
 paper does) and ``top_k`` routed heads are kept per token. With every head kept the converted model computes
-exactly the original's logits. ``export_hf`` writes a MoH (or dense) model back to a folder that
-``transformers`` loads: safetensors weights under LLaMA's names, the config, and ``hf_moh_llama.py`` as
-``trust_remote_code`` modelling code, so lm-eval's own ``hf`` model type can evaluate it.
+exactly the original's logits. ``export_hf`` writes any MoH-LLaMA (learned or query-norm router, one budget or one
+per layer) or dense model back to a folder that ``transformers`` loads: safetensors weights under LLaMA's names (the
+learned routers under ``self_attn.router.*``), the config, a model card with the head budget and where the weights
+came from, and ``hf_moh_llama.py`` as ``trust_remote_code`` modelling code, so lm-eval's own ``hf`` model type can
+evaluate it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import torch
 
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
+
+# The learned router's linears (``MoHRouter``), under the same names in the suite and in exported folders.
+ROUTER_LINEARS = ("shared_router", "routed_router", "type_router")
 
 
 def llm_config_from_hf(hf_config, num_shared_heads: int | None = None, top_k: int | None = None,
@@ -66,6 +71,9 @@ def hf_to_moh_state_dict(hf_state: dict[str, torch.Tensor], config: LlamaConfig)
         out[ours + "mlp_norm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             out[ours + f"mlp.{proj}.weight"] = hf_state[hf + f"mlp.{proj}.weight"]
+        for name in ROUTER_LINEARS:  # learned routers, present in folders exported from learned-router models
+            if f"{attn}router.{name}.weight" in hf_state:
+                out[f"{ours}attn.router.{name}.weight"] = hf_state[f"{attn}router.{name}.weight"]
     return out
 
 
@@ -85,6 +93,9 @@ def moh_to_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig) ->
                     hf + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"]})
         for proj in ("gate_proj", "up_proj", "down_proj"):
             out[hf + f"mlp.{proj}.weight"] = state[ours + f"mlp.{proj}.weight"]
+        for name in ROUTER_LINEARS:
+            if f"{ours}attn.router.{name}.weight" in state:
+                out[f"{attn}router.{name}.weight"] = state[f"{ours}attn.router.{name}.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -118,16 +129,21 @@ def from_hf(source: str, num_shared_heads: int | None = None, top_k: int | None 
     return model.eval()
 
 
+def layer_budgets(config: LlamaConfig) -> list[tuple[int, int]]:
+    """(shared heads, routed heads kept per token) of every layer of a MoH model, each checked."""
+    return [(layer["num_shared_heads"], layer["top_k"]) for layer in config.moh.layers(config.num_heads, config.depth)]
+
+
 def hf_config_for(config: LlamaConfig, **extra):
-    """The ``transformers`` config of an exported model: plain LLaMA when dense, else ``MoHLlamaConfig``."""
+    """The ``transformers`` config of an exported model: plain LLaMA when dense, else ``MoHLlamaConfig``.
+
+    The head budget is one int for every layer when the layers share it, else one entry per layer.
+    """
     from transformers import LlamaConfig as HFLlamaConfig
 
     from moh_lightning.models.hf_moh_llama import MoHLlamaConfig
 
     moh = config.moh
-    if moh is not None and moh.router != "query_norm":
-        raise ValueError("export to transformers needs router='query_norm' (continue-tuned) or a dense model; a "
-                         "learned-router model is evaluated with `moh lm-eval` (lm-eval model type 'moh').")
     kwargs = dict(
         vocab_size=config.vocab_size, hidden_size=config.embed_dim, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.depth, num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
@@ -137,16 +153,83 @@ def hf_config_for(config: LlamaConfig, **extra):
     )
     if moh is None:
         return HFLlamaConfig(**kwargs)
-    if not isinstance(moh.num_shared_heads, int) or not isinstance(moh.top_k, int):
-        raise ValueError("export to transformers needs one head budget for every layer (int num_shared_heads and "
-                         "top_k in arch.moh), not per-layer lists.")
-    return MoHLlamaConfig(moh_num_shared_heads=moh.num_shared_heads, moh_top_k=moh.top_k, **kwargs)
+    if moh.router not in ("learned", "query_norm"):
+        raise ValueError(f"arch.moh.router={moh.router!r}: the exported modelling code knows 'learned' and "
+                         f"'query_norm'.")
+    shared, top_k = (list(values) for values in zip(*layer_budgets(config)))
+    return MoHLlamaConfig(moh_num_shared_heads=shared[0] if len(set(shared)) == 1 else shared,
+                          moh_top_k=top_k[0] if len(set(top_k)) == 1 else top_k, moh_router=moh.router,
+                          moh_two_stage_routing=moh.two_stage_routing, **kwargs)
 
 
-def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None) -> Path:
-    """Writes ``model`` as a ``transformers`` folder (safetensors, config, modelling code, tokenizer if given).
+_ROUTER_TEXT = {
+    "learned": "learned two-stage router (paper Eq. 5-6 at the authors' scale: shared gates softmax(W_s x) * h_s, "
+               "routed gates softmax(W_r x) kept on the top-k, renormalised and * k, the two groups weighted by "
+               "2 * softmax(W_h x))",
+    "query_norm": "parameter-free query-norm router (paper section 4.4: each routed head scored by its query norm "
+                  "over the standard deviation of those norms across the routed heads; the top-k get gate 1)",
+}
 
-    A MoH model loads with ``trust_remote_code=True``; a dense one is a plain ``LlamaForCausalLM``.
+
+def model_card(config: LlamaConfig, source: str, name: str) -> str:
+    """The README.md of an exported folder: how to load it, its head budget, architecture and provenance.
+
+    ``source`` says where the weights came from (a ``moh fit`` checkpoint, a converted LLaMA, the authors' release);
+    ``name`` is the hub repo id or folder the snippets load.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        suite = f"moh-lightning {version('moh-lightning')}"
+    except PackageNotFoundError:
+        suite = "moh-lightning"
+    moh = config.moh
+    remote = ", trust_remote_code=True" if moh is not None else ""
+    header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- moh",
+              "- mixture-of-head-attention", *(["- custom_code"] if moh is not None else []), "---", ""]
+    if moh is None:
+        what = f"A dense LLaMA-style decoder (every head active), exported by {suite} as a plain `LlamaForCausalLM`."
+        budget = [f"Dense: all {config.num_heads} heads of every layer (100%)."]
+    else:
+        what = (f"A LLaMA-style decoder with Mixture-of-Head attention (MoH, Jin et al., ICML 2025, arXiv "
+                f"2410.11842): per token a router keeps the shared heads and picks the top-k routed heads, and the "
+                f"heads' outputs are summed with the routing scores as weights. Exported by {suite}; the modelling "
+                f"code is `hf_moh_llama.py` in this folder (hence `trust_remote_code=True`).")
+        budgets = layer_budgets(config)
+        active = [shared + (top_k if config.num_heads > shared else 0) for shared, top_k in budgets]
+        total = config.num_heads * config.depth
+        budget = [f"Router: {_ROUTER_TEXT[moh.router]}.", "",
+                  f"Activated heads: {sum(active)} of {total} ({sum(active) / total:.1%}).", "",
+                  "| layers | heads | shared | routed | top-k | active per token |", "|---|---|---|---|---|---|"]
+        start = 0
+        for end in range(1, len(budgets) + 1):  # one row per run of layers with the same budget
+            if end == len(budgets) or budgets[end] != budgets[start]:
+                shared, top_k = budgets[start]
+                routed = config.num_heads - shared
+                span = str(start) if end - 1 == start else f"{start}-{end - 1}"
+                budget.append(f"| {span} | {config.num_heads} | {shared} | {routed} | {top_k if routed else 0} | "
+                              f"{active[start]} |")
+                start = end
+    architecture = (f"{config.depth} layers, width {config.embed_dim}, {config.num_heads} heads of {config.head_dim} "
+                    f"({config.num_kv_heads} key/value heads), SwiGLU {config.intermediate_size}, RMSNorm eps "
+                    f"{config.norm_eps:g}, rotary base {config.rope_base:g}, vocabulary {config.vocab_size}, "
+                    f"context {config.block_size}, {'tied' if config.tie_embeddings else 'untied'} embeddings.")
+    usage = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             f'model = AutoModelForCausalLM.from_pretrained("{name}"{remote})',
+             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
+             f"lm-eval: `lm_eval --model hf --model_args pretrained={name}{remote.replace(', ', ',')} --tasks sciq`"]
+    lines = [*header, f"# {Path(name).name}", "", what, "", *usage, "", "## Head budget", "", *budget, "",
+             "## Architecture", "", architecture, "", "## Provenance", "", source, ""]
+    return "\n".join(lines)
+
+
+def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str = "not recorded",
+              name: str | None = None) -> Path:
+    """Writes ``model`` as a ``transformers`` folder (safetensors, config, modelling code, tokenizer if given, and a
+    model card README.md naming the head budget and ``source``, where the weights came from).
+
+    A MoH model loads with ``trust_remote_code=True``; a dense one is a plain ``LlamaForCausalLM``. ``name`` is the
+    repo id or path the model card's snippets load (the folder when None).
     """
     from transformers import LlamaForCausalLM
 
@@ -170,8 +253,9 @@ def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None) -> Path:
     hf_model.to(next(model.parameters()).dtype).save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+    (folder / "README.md").write_text(model_card(model.config, source, name or str(folder)))
     return folder
 
 
-__all__ = ["export_hf", "from_hf", "hf_config_for", "hf_to_moh_state_dict", "llm_config_from_hf",
-           "load_hf_weights", "moh_to_hf_state_dict"]
+__all__ = ["ROUTER_LINEARS", "export_hf", "from_hf", "hf_config_for", "hf_to_moh_state_dict", "layer_budgets",
+           "llm_config_from_hf", "load_hf_weights", "model_card", "moh_to_hf_state_dict"]

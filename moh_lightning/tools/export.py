@@ -1,6 +1,8 @@
 """``moh convert-llama`` and ``moh export-hf``: MoH-LLaMA folders that ``transformers`` and lm-eval load."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from moh_lightning.data.text import load_tokenizer
@@ -26,27 +28,66 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         tokenizer = None  # a weights-only folder; pass the tokenizer to lm-eval separately
-    export_hf(model, out, tokenizer)
     moh = model.config.moh
+    export_hf(model, out, tokenizer, source=(
+        f"Converted by `moh convert-llama` from the transformers LLaMA `{source}`: its weights unchanged, the "
+        f"parameter-free query-norm router added ({moh.num_shared_heads} shared + top-{moh.top_k} routed heads). "
+        f"Not yet continue-tuned: the starting point of paper section 4.4."))
     print(f"wrote {out}: {moh.num_shared_heads} shared + top-{moh.top_k} of "
           f"{model.config.num_heads - moh.num_shared_heads} routed heads "
           f"({model.config.activated_fraction:.0%} active)")
     return out
 
 
-def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None) -> str:
-    """Exports a ``moh fit`` LanguageModel checkpoint (query-norm router or dense) to a ``transformers`` folder.
+def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, push_to_hub: str | None = None,
+                      private: bool = False) -> str:
+    """Exports a ``moh fit`` LanguageModel checkpoint to a ``transformers`` folder, optionally pushed to the hub.
+
+    Every language model exports: learned or query-norm router, one head budget or one per layer, or dense. The
+    folder holds the config, safetensors weights, the tokenizer, the remote-code modelling file and a model card
+    (README.md) with the head budget and the checkpoint it came from; it loads with
+    ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` and lm-eval's ``hf`` model.
 
     Args:
         checkpoint: A ``.ckpt`` written by ``moh fit`` with a LanguageModel.
         out: Folder to write.
         tokenizer: Tokenizer name or folder saved beside the weights; the training tokenizer when None.
+        push_to_hub: Hub repo id (``user/name``) to upload the folder to (created if absent), with the credentials
+            ``huggingface_hub`` finds (``hf auth login`` or ``HF_TOKEN``).
+        private: Create the hub repo private.
     """
     task, data_hparams = load_language_model(checkpoint)
     name = tokenizer or data_hparams.get("tokenizer")
-    export_hf(task.model, out, load_tokenizer(name) if name else None)
+    source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
+    export_hf(task.model, out, load_tokenizer(name) if name else None, source=source, name=push_to_hub)
     print(f"wrote {out}")
+    if push_to_hub:
+        url = push_folder(out, push_to_hub, private)
+        print(f"pushed {out} to {url}")
     return out
 
 
-__all__ = ["convert_llama", "export_checkpoint"]
+def checkpoint_provenance(checkpoint: str, tokens_seen: int, tokenizer: str | None, data_hparams: dict) -> str:
+    """The model card's provenance paragraph of a ``moh fit`` checkpoint."""
+    lines = [f"Exported by `moh export-hf` from the `moh fit` checkpoint `{Path(checkpoint).name}` "
+             f"({tokens_seen:,} training tokens), tokenizer `{tokenizer}`."]
+    sources = data_hparams.get("sources")
+    if sources:
+        lines.append(f"Training data sources: `{sources}`.")
+    if data_hparams.get("provenance"):  # checkpoints written from released weights say which (moh load-authors-*)
+        lines.append(data_hparams["provenance"])
+    return " ".join(lines)
+
+
+def push_folder(folder: str | Path, repo_id: str, private: bool = False) -> str:
+    """Uploads ``folder`` to the hub model repo ``repo_id`` (created when absent); returns the repo's URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                      commit_message="Upload MoH-LLaMA exported by moh-lightning")
+    return str(url)
+
+
+__all__ = ["checkpoint_provenance", "convert_llama", "export_checkpoint", "push_folder"]
