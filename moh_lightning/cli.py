@@ -34,6 +34,7 @@ TOOLS: dict[str, str] = {
     "convert-llama": "moh_lightning.tools.export:convert_llama",
     "export-hf": "moh_lightning.tools.export:export_checkpoint",
     "lm-eval": "moh_lightning.tools.lm_eval:lm_eval",
+    "sweep": "moh_lightning.tools.sweep:sweep",
 }
 
 _CONFIG_FLAGS = ("--config", "-c")

@@ -1,0 +1,389 @@
+"""``moh sweep``: one ``moh fit`` config over a grid of overrides × seeds on Ray Tune, with a table and a plot.
+
+Each trial is an ordinary ``moh fit`` run inside a Ray Tune trainable; its run folder is
+``<out>/runs/<trial>/version_N/``. Tune's own experiment state in ``<out>/tune`` makes the sweep restartable:
+the same command again restores it with ``Tuner.restore`` and runs only the trials that have not finished.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from moh_lightning.cli import main, resolve_config
+from moh_lightning.tools.sweep_report import (
+    STATUS_FAILED,
+    STATUS_FINISHED,
+    STATUS_UNFINISHED,
+    TrialResult,
+    format_value,
+    short_keys,
+    write_report,
+)
+
+SPEC_FILE = "sweep.json"     # in <out>: what was swept, so a restart with other settings is refused
+EXPERIMENT = "tune"          # Tune's experiment folder in <out>
+RUNS = "runs"                # the trials' moh fit run folders in <out>
+DONE_FILE = "sweep_result.json"  # in runs/<trial>/: the trial's final metrics, written when its fit returned
+
+# Environment of the sweep's driver while it runs (restored afterwards): no usage-stats upload, and Tune's
+# automatic loggers without the TensorBoard one (the trials' own runs hold the TensorBoard events).
+_DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1"}
+
+
+def sweep(
+        fit_config: str,
+        grid: dict[str, list] | None = None,
+        seeds: list[int] = [0, 1, 2],
+        metric: str = "val/loss",
+        mode: Literal["min", "max"] = "min",
+        out: str | None = None,
+        baseline: dict[str, Any] | None = None,
+        address: str | None = None,
+        max_concurrent: int = 1,
+        cpus_per_trial: int | None = None,
+        gpus_per_trial: float = 0,
+        retry_failed: bool = True,
+        reuse_workers: bool = False,
+        extra_args: list[str] = [],
+) -> Path:
+    """Run one `moh fit` config over a grid of overrides × seeds on Ray Tune; write a table and a plot.
+
+    Every trial is an ordinary `moh fit --config <fit_config> <extra_args> <cell overrides> --seed_everything
+    <seed> --ckpt_path last` run in a Ray Tune trainable, in its own run folder `<out>/runs/<trial>/version_N/`
+    (events, config.yaml, checkpoints; trial names such as `top_k=2-seed=1`). Its final metrics (the trainer's
+    `callback_metrics` when fit returns: the last value logged of each) are reported to Tune. A failed trial is
+    reported with its error and the others go on. Killed or interrupted, the same command continues the sweep
+    from Tune's state in `<out>/tune`: finished trials are not run again, unfinished ones continue from their
+    newest checkpoint (`--ckpt_path last`) and failed ones run again when `retry_failed`. When nothing is left
+    to run, the same command only rewrites the report from Tune's saved state (without starting Ray), so
+    `--metric` / `--mode` / `--baseline` may change between calls; the grid, seeds, config and extra_args may
+    not.
+
+    Writes `<out>/results.md` and `<out>/results.csv` (one row per grid cell: each logged metric's mean ± std
+    and n over seeds, and for each other cell Welch's t-test p-value and the 95% confidence interval of the
+    difference to the baseline cell), `<out>/trials.csv` (one row per trial, with status, run folder and
+    error) and `<out>/<metric>.png` (the metric per cell, each seed a dot, mean ± std as error bar).
+
+    Args:
+        fit_config: The `moh fit` config: a YAML path, or the name of a shipped config (`llm_stdlib_75.yaml`).
+        grid: Override key -> values, e.g. `{"model.init_args.lr": [1e-3, 2e-3]}`; the cells are every
+            combination. None: the config as is, over seeds only.
+        seeds: `seed_everything` values; every cell runs every seed.
+        metric: The logged metric of the table's comparison and of the plot (any key of `callback_metrics`).
+        mode: `min` or `max`: which direction of `metric` is better (marks the best cell).
+        out: The sweep folder; `sweeps/<config stem>` when None.
+        baseline: The cell the others are compared with, as override key -> value (a subset of the keys is
+            enough when it names one cell); the first cell when None.
+        address: A Ray cluster's address for `ray.init` (`auto`, `ray://head:10001`, ...); a fresh local Ray
+            on this machine when None. On a cluster, `out` and the config must be on storage all nodes share.
+        max_concurrent: Trials that run at the same time.
+        cpus_per_trial: CPUs Ray reserves per trial, also its torch / OpenMP thread count; by default the
+            cores of the smallest node divided by `max_concurrent`.
+        gpus_per_trial: GPUs Ray reserves per trial (configs with `trainer.accelerator: gpu`).
+        retry_failed: On a restart, run the trials that failed again.
+        reuse_workers: Run trials one after another in the same Ray worker process (Tune's `reuse_actors`),
+            each seeded afresh by its own `moh fit`; saves the ~10 s of imports per trial. False: a fresh
+            process per trial, so no state at all carries over from one trial to the next.
+        extra_args: Further `moh fit` arguments given to every trial, before the cell's overrides
+            (e.g. `["--trainer.max_steps", "200"]`).
+    """
+    config_path = Path(resolve_config(fit_config)).resolve()
+    cells = _cells(grid)
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"moh sweep: --seeds {seeds} must be distinct and at least one.")
+    if max_concurrent < 1:
+        raise SystemExit(f"moh sweep: --max_concurrent {max_concurrent} must be at least 1.")
+    base = _baseline_index(cells, baseline)
+    out_dir = Path(out if out is not None else Path("sweeps") / config_path.stem).resolve()
+    names = trial_names(cells, seeds)
+    trials = [{"name": names[c, s], "cell": c, "seed": seed, "overrides": cell}
+              for c, cell in enumerate(cells) for s, seed in enumerate(seeds)]
+    _check_spec(out_dir, {"fit_config": str(config_path), "grid": {k: list(v) for k, v in (grid or {}).items()},
+                          "seeds": seeds, "extra_args": list(extra_args)})
+
+    with _environ(_DRIVER_ENV):
+        results = _run_on_tune(trials, config_path, out_dir, address, max_concurrent, cpus_per_trial,
+                               gpus_per_trial, retry_failed, reuse_workers, list(extra_args))
+    paths = write_report(out_dir, results, cells, seeds, metric, mode, base, title=config_path.name)
+    counts = {s: sum(r.status == s for r in results) for s in (STATUS_FINISHED, STATUS_FAILED, STATUS_UNFINISHED)}
+    print(f"moh sweep: {counts[STATUS_FINISHED]} finished, {counts[STATUS_FAILED]} failed, "
+          f"{counts[STATUS_UNFINISHED]} unfinished of {len(results)} trials; {paths['markdown']}", file=sys.stderr)
+    for r in results:
+        if r.status == STATUS_FAILED:
+            print(f"moh sweep: trial {r.name} failed: {r.error}", file=sys.stderr)
+    return paths["markdown"]
+
+
+# ----------------------------------------------------------------------------------------------- the grid
+
+def _cells(grid: dict[str, list] | None) -> list[dict[str, Any]]:
+    """Every combination of the grid's values, in the grid's order (the last key varies fastest)."""
+    grid = {key.removeprefix("--"): values for key, values in (grid or {}).items()}
+    for key, values in grid.items():
+        if not isinstance(values, (list, tuple)) or not values:
+            raise SystemExit(f"moh sweep: --grid {key!r} needs a non-empty list of values, got {values!r}.")
+        if key in ("seed_everything", "config", "ckpt_path") or key.startswith("trainer.logger"):
+            raise SystemExit(f"moh sweep: --grid {key!r} is set by the sweep itself (seeds: --seeds).")
+    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+
+
+def cli_value(value: Any) -> str:
+    """A grid value as the command-line text jsonargparse reads back as the same value."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}[str(value)]
+        text = repr(value)
+        mantissa, e, exponent = text.partition("e")
+        if e and "." not in mantissa:  # YAML 1.1 reads 1e-05 as a string, 1.0e-05 as a float
+            text = f"{mantissa}.0e{exponent}"
+        return text
+    return json.dumps(value)
+
+
+def trial_names(cells: list[dict[str, Any]], seeds: list[int]) -> dict[tuple[int, int], str]:
+    """Readable, file-name-safe, unique names: ``top_k=2-seed=1``; the cell index is added only on a clash."""
+    short = short_keys(list(cells[0]))
+
+    def name(cell: dict[str, Any], seed: int, prefix: str = "") -> str:
+        parts = [f"{short[k]}={format_value(v)}" for k, v in cell.items()] + [f"seed={seed}"]
+        return re.sub(r"[^A-Za-z0-9._=+-]+", "_", prefix + "-".join(parts))[:120]
+
+    names = {(c, s): name(cell, seed) for c, cell in enumerate(cells) for s, seed in enumerate(seeds)}
+    if len(set(names.values())) < len(names):
+        names = {(c, s): name(cell, seed, f"cell{c}-") for c, cell in enumerate(cells) for s, seed in enumerate(seeds)}
+    return names
+
+
+def _baseline_index(cells: list[dict[str, Any]], baseline: dict[str, Any] | None) -> int:
+    if not baseline:
+        return 0
+    baseline = {key.removeprefix("--"): value for key, value in baseline.items()}
+    unknown = set(baseline) - set(cells[0])
+    if unknown:
+        raise SystemExit(f"moh sweep: --baseline keys {sorted(unknown)} are not grid keys {list(cells[0])}.")
+    match = [c for c, cell in enumerate(cells) if all(cli_value(cell[k]) == cli_value(v) for k, v in baseline.items())]
+    if len(match) != 1:
+        raise SystemExit(f"moh sweep: --baseline {baseline} matches {len(match)} grid cells; it must name one.")
+    return match[0]
+
+
+def _check_spec(out_dir: Path, spec: dict[str, Any]) -> None:
+    """Records what the sweep in ``out_dir`` runs; refuses to continue a different one there."""
+    path = out_dir / SPEC_FILE
+    spec = json.loads(json.dumps(spec))
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        if previous != spec:
+            changed = sorted(k for k in spec if previous.get(k) != spec[k])
+            raise SystemExit(f"moh sweep: {out_dir} holds a different sweep (its {', '.join(changed)} differ, see "
+                             f"{path}): give another --out, or delete that folder to start over.")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------- Ray Tune
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables that are not set already, and restores the environment afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _tune_callbacks() -> list:
+    """Tune callbacks of the run besides the JSON / CSV loggers (a seam for tests that interrupt a sweep)."""
+    return []
+
+
+def _trial_name(trial) -> str:
+    return trial.config["trial"]["name"]
+
+
+def _run_on_tune(trials: list[dict], config_path: Path, out_dir: Path, address: str | None, max_concurrent: int,
+                 cpus_per_trial: int | None, gpus_per_trial: float, retry_failed: bool, reuse_workers: bool,
+                 extra_args: list[str]) -> list[TrialResult]:
+    import ray
+    from ray import tune
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    experiment = out_dir / EXPERIMENT
+    restore = tune.Tuner.can_restore(experiment)
+    if restore:
+        settled = _settled(experiment, trials, retry_failed)
+        if settled is not None:  # nothing left to run: the report straight from Tune's saved state, no Ray
+            return settled
+    started = not ray.is_initialized()
+    if started:
+        local_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        ray.init(address=address or "local", num_cpus=None if address else local_cores, include_dashboard=False,
+                 log_to_driver=False, logging_level="WARNING")
+    try:
+        if cpus_per_trial is None:
+            node_cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+            cpus_per_trial = max(1, int(min(c for c in node_cpus if c > 0) // max_concurrent))
+        trainable = tune.with_resources(
+            tune.with_parameters(_trainable, fit_config=str(config_path), runs=str(out_dir / RUNS),
+                                 cwd=os.getcwd(), extra_args=extra_args, threads=cpus_per_trial),
+            {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
+        if restore:
+            tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
+                                       restart_errored=retry_failed)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space={"trial": tune.grid_search(
+                    [{"name": t["name"], "cell": t["cell"], "seed": t["seed"], "overrides": t["overrides"]}
+                     for t in trials])},
+                tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent, reuse_actors=reuse_workers,
+                                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+                run_config=tune.RunConfig(
+                    name=EXPERIMENT, storage_path=str(out_dir),
+                    failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+                    callbacks=[JsonLoggerCallback(), CSVLoggerCallback(), *_tune_callbacks()]))
+        # By folder (named after the trial): a restored trial that failed without reporting has no config here.
+        found = {Path(r.path).name: (r.error, r.metrics) for r in tuner.fit() if r.path}
+    finally:
+        if started:
+            ray.shutdown()
+    return [_trial_result(t, *found.get(t["name"], (None, None))) for t in trials]
+
+
+def _settled(experiment: Path, trials: list[dict], retry_failed: bool) -> list[TrialResult] | None:
+    """Every trial's result from Tune's saved state if a restore would run none of them; None otherwise."""
+    from ray.tune import ExperimentAnalysis
+
+    quiet = logging.getLogger("ray.tune.analysis.experiment_analysis")  # warns of trials without result files
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        saved = {Path(t.path).name: t for t in ExperimentAnalysis(str(experiment)).trials if t.path}
+    except Exception:  # let Tuner.restore deal with (and report) a state it cannot read
+        return None
+    finally:
+        quiet.setLevel(level)
+    if set(saved) != {t["name"] for t in trials}:  # not all trials created yet
+        return None
+    out = []
+    for trial in trials:
+        state = saved[trial["name"]]
+        if state.status == "TERMINATED":
+            out.append(_trial_result(trial, None, state.last_result))
+        elif state.status == "ERROR" and not retry_failed:
+            error = state.get_pickled_error() or state.get_error() or RuntimeError(f"failed; see {state.path}")
+            out.append(_trial_result(trial, error, state.last_result))
+        else:
+            return None
+    return out
+
+
+def _trial_result(trial: dict, error: BaseException | None, reported: dict | None) -> TrialResult:
+    out = TrialResult(name=trial["name"], cell=trial["cell"], seed=trial["seed"])
+    if error is not None:
+        out.status, out.error = STATUS_FAILED, _error_text(error)
+    elif isinstance((reported or {}).get("metrics"), dict):
+        out.status = STATUS_FINISHED
+        out.metrics = {k: float(v) for k, v in reported["metrics"].items()}
+        out.run_dir = reported.get("run_dir")
+    return out
+
+
+def _error_text(error: BaseException) -> str:
+    """The trial's own exception as one line (``Type: message``) out of Ray's wrapped traceback."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    text = str(error).strip()
+    if "Traceback" in text:  # a RayTaskError's text: the last line is the original exception
+        text = [line for line in text.splitlines() if line.strip()][-1].strip()
+        return text
+    return f"{type(error).__name__}: {' '.join(text.split())}"
+
+
+# ----------------------------------------------------------------------------------------------- one trial
+
+def fit_args(fit_config: str, extra_args: Sequence[str], overrides: dict[str, Any], seed: int, runs: str,
+             name: str) -> list[str]:
+    """The ``moh fit`` arguments of one trial; ``--ckpt_path last`` continues it when it was started before."""
+    args = ["fit", "--config", fit_config, *extra_args]
+    for key, value in overrides.items():
+        args += [f"--{key}", cli_value(value)]
+    return args + ["--seed_everything", str(seed), "--trainer.logger.init_args.save_dir", runs,
+                   "--trainer.logger.init_args.name", name, "--ckpt_path", "last"]
+
+
+@contextlib.contextmanager
+def _capture_trainer() -> Iterator[list]:
+    """The Trainer of the ``moh fit`` that ``moh_lightning.cli.main`` runs inside this block, once fit returned."""
+    from moh_lightning import cli
+
+    captured: list = []
+    original = cli.MoHLightningCLI
+
+    class Capturing(original):
+        def after_fit(self) -> None:
+            captured.append(self.trainer)
+
+    cli.MoHLightningCLI = Capturing
+    try:
+        yield captured
+    finally:
+        cli.MoHLightningCLI = original
+
+
+def _trainable(config: dict, fit_config: str, runs: str, cwd: str, extra_args: list[str], threads: int) -> None:
+    """Ray Tune trainable: one ``moh fit`` run in this process; reports its final metrics."""
+    from ray import tune
+
+    trial = config["trial"]
+    run_root = Path(runs) / trial["name"]
+    done = run_root / DONE_FILE
+    if done.is_file():  # finished before an interruption that Tune's saved state had not caught up with
+        tune.report(json.loads(done.read_text()))
+        return
+    if os.path.isdir(cwd):  # relative paths in the config mean what they mean for `moh fit` from there
+        os.chdir(cwd)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    args = fit_args(fit_config, extra_args, trial["overrides"], trial["seed"], runs, trial["name"])
+    try:
+        with _capture_trainer() as captured:
+            main(args)
+    except SystemExit as exit:  # the CLI's one-line errors; a SystemExit would end the Ray worker instead
+        message = exit.code if isinstance(exit.code, str) else f"moh fit exited with status {exit.code}"
+        raise RuntimeError(message) from None
+    if not captured:
+        raise RuntimeError(f"moh fit {' '.join(args[1:])} returned without a finished fit")
+    trainer = captured[0]
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+               if not isinstance(v, torch.Tensor) or v.numel() == 1}
+    report = {"metrics": metrics, "run_dir": trainer.log_dir, "global_step": trainer.global_step}
+    run_root.mkdir(parents=True, exist_ok=True)
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    tmp.replace(done)
+    tune.report(report)

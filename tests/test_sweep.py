@@ -1,0 +1,197 @@
+"""``moh sweep``: a 2-cell × 2-seed grid on a local Ray Tune, with one failing trial and a restart mid-way.
+
+Three calls of the same command on the same folder (each starts and stops its own local Ray):
+1. interrupted by a Tune callback that raises as soon as the first trial finished, the way a killed sweep
+   leaves Tune's state behind;
+2. the same command again: continues without training the finished trial again; one trial fails (its run
+   folder is blocked by a file) and is reported with its error while the others finish;
+3. the same command with ``--retry_failed false`` and another metric: runs nothing and rewrites the report.
+The table's statistics and the trial names are checked without Ray.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import scipy.stats
+import yaml
+from ray.tune import Callback
+
+from moh_lightning import cli
+from moh_lightning.tools import sweep as sweep_tool
+from moh_lightning.tools.sweep import cli_value, trial_names
+from moh_lightning.tools.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
+
+# The only place naming `moh fit` config keys: the shipped embedded LM config, made tiny by one overlay. When keys
+# are renamed, update them here (see `moh fit --config llm_stdlib_75.yaml --print_config`).
+FIT_CONFIG = "llm_stdlib_75.yaml"
+GRID = {"model.init_args.lr": [2e-3, 1e-2]}
+SEEDS = [0, 1]
+
+
+def tiny_overlay(tmp: Path) -> dict:
+    sources = tmp / "src"
+    sources.mkdir()
+    for i in range(6):  # ~2 kB of Python per file; a third of the files are held out for validation
+        (sources / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {(i * 37 + j) % 97} + {j}\n\n"
+                                                  for j in range(60)))
+    return {
+        "trainer": {"val_check_interval": 5, "log_every_n_steps": 1, "enable_progress_bar": False,
+                    "enable_model_summary": False},
+        "checkpoint": {"every_n_train_steps": 5},
+        "head_load": {"log_every_n_steps": 1},
+        "model": {"init_args": {
+            "arch": {"depth": 1, "embed_dim": 32, "num_heads": 4, "head_dim": 8, "intermediate_size": 64,
+                     "block_size": 32, "moh": {"num_shared_heads": 2, "top_k": 1}},
+            "warmup_steps": 2,
+            "max_tokens": 5 * 4 * 32,  # 5 steps of 4 x 32 tokens
+        }},
+        "data": {"init_args": {"sources": [{"path": str(sources), "pattern": "*.py", "val_fraction": 0.35}],
+                               "cache_dir": str(tmp / "token_cache"), "seq_len": 32, "batch_size": 4,
+                               "val_samples": 8}},
+    }
+
+
+INTERRUPT = "MOH_TEST_INTERRUPT_SWEEP"
+
+
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAfterFirstTrial(Callback):
+    """Ends the sweep's driver with an error at Tune's next step once a trial finished, while ``INTERRUPT`` is set.
+
+    Raised from ``on_step_end``, the error leaves Tune's loop at once, without the final save of its state: what
+    Tune finds on a restart is its last periodic save, as after the sweep was killed. (Tune restores a run's
+    callbacks with it, hence the switch in the environment.)
+    """
+
+    def __init__(self) -> None:
+        self.finished = 0
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self.finished += 1
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        if self.finished and os.environ.get(INTERRUPT):
+            raise Interrupted("the test interrupts the sweep")
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def ray_processes() -> list[str]:
+    time.sleep(0.5)
+    deadline = time.time() + 15
+    while True:
+        children = [p for p in psutil.Process().children(recursive=True) if p.is_running()
+                    and p.status() != psutil.STATUS_ZOMBIE]
+        if not children or time.time() > deadline:
+            return [" ".join(p.cmdline()[:2]) for p in children]
+        time.sleep(0.5)
+
+
+def run_state(run: Path) -> dict:
+    """What a trial's run folder holds: its version folders and each file's modification time."""
+    return {"versions": sorted(p.name for p in run.glob("version_*")),
+            "files": {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}}
+
+
+def test_sweep_fails_one_trial_and_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    overlay = tmp_path / "tiny.yaml"
+    overlay.write_text(yaml.safe_dump(tiny_overlay(tmp_path)))
+    out = tmp_path / "sweep"
+    args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps(GRID), "--seeds", json.dumps(SEEDS),
+            "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
+            "--extra_args", json.dumps(["--config", str(overlay)])]
+    names = ["lr=0.002-seed=0", "lr=0.002-seed=1", "lr=0.01-seed=0", "lr=0.01-seed=1"]
+    runs = out / "runs"
+    # The last trial fails: a file stands where its run folder goes.
+    runs.mkdir(parents=True)
+    blocked = runs / names[3]
+    blocked.write_text("not a folder")
+
+    # 1. Interrupted once the first trial finished.
+    monkeypatch.setattr(sweep_tool, "_tune_callbacks", lambda: [InterruptAfterFirstTrial()])
+    monkeypatch.setenv(INTERRUPT, "1")
+    with pytest.raises(Exception, match="interrupts the sweep"):
+        cli.main(args)
+    assert ray_processes() == []
+    assert not (out / "results.md").exists()
+    first = run_state(runs / names[0])
+    assert first["versions"] == ["version_0"] and "version_0/config.yaml" in first["files"]
+    assert any(name.endswith("last.ckpt") for name in first["files"])
+    assert not (runs / names[1]).exists()
+
+    # 2. The same command: the finished trial is not trained again; the blocked one fails, the others finish.
+    monkeypatch.delenv(INTERRUPT)
+    cli.main(args)
+    assert ray_processes() == []
+    assert run_state(runs / names[0]) == first
+    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
+    assert list(trials) == names
+    assert [trials[n]["status"] for n in names] == ["finished", "finished", "finished", "failed"]
+    error = trials[names[3]]["error"]
+    assert names[3] in error and "Error" in error
+    for name in names[:3]:
+        assert Path(trials[name]["run_dir"]) == runs / name / "version_0"
+        assert math.isfinite(float(trials[name]["val/loss"]))
+    cells = read_csv(out / "results.csv")
+    assert [(c["cell"], c["baseline"], c["val/loss n"]) for c in cells] == [("lr=0.002", "True", "2"),
+                                                                           ("lr=0.01", "False", "1")]
+    assert float(cells[0]["val/loss std"]) >= 0 and cells[1]["val/loss p"] == ""  # Welch needs n >= 2
+    markdown = (out / "results.md").read_text()
+    assert "| 0.002 (baseline) | 2 |" in markdown and " ± " in markdown
+    assert "## Failed trials" in markdown and f"`{names[3]}`" in markdown
+    plot = out / "val_loss.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A different sweep in the same folder is refused before Ray starts.
+    with pytest.raises(SystemExit, match="different sweep"):
+        cli.main(args[:4] + [json.dumps({"model.init_args.lr": [2e-3]})] + args[5:])
+
+    # 3. The same command without retrying failures, reporting another metric: nothing runs, the report is rewritten.
+    done = {name: run_state(runs / name) for name in names}
+    cli.main(args + ["--retry_failed", "false", "--metric", "train/loss", "--mode", "min"])
+    assert ray_processes() == []
+    assert {name: run_state(runs / name) for name in names} == done
+    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
+    assert [trials[n]["status"] for n in names] == ["finished", "finished", "finished", "failed"]
+    assert [c["train/loss n"] for c in read_csv(out / "results.csv")] == ["2", "1"]
+    assert "## train/loss" in (out / "results.md").read_text()
+    assert (out / "train_loss.png").is_file()
+
+
+def test_welch_comparison_with_the_baseline() -> None:
+    a, b, c = [1.0, 1.2, 1.1], [2.0, 2.4], [5.0]
+    trials = [TrialResult(f"t{i}", cell, i, STATUS_FINISHED, {"m": v})
+              for i, (cell, v) in enumerate([(0, x) for x in a] + [(1, x) for x in b] + [(2, x) for x in c])]
+    trials.append(TrialResult("failed", 1, 9, STATUS_FAILED, {"m": 100.0}, error="boom"))  # not counted
+    base, second, single = cell_stats(trials, 3, "m", baseline=0)
+    assert (base.n, second.n, single.n) == (3, 2, 1)
+    assert base.mean == pytest.approx(1.1) and base.std == pytest.approx(statistics.stdev(a))
+    assert math.isnan(base.p) and math.isnan(base.diff)
+    welch = scipy.stats.ttest_ind(b, a, equal_var=False)
+    ci = welch.confidence_interval(0.95)
+    assert second.diff == pytest.approx(statistics.mean(b) - statistics.mean(a))
+    assert (second.p, second.ci_low, second.ci_high) == pytest.approx((welch.pvalue, ci.low, ci.high))
+    assert math.isnan(single.std) and math.isnan(single.p) and single.diff == pytest.approx(5.0 - 1.1)
+
+
+def test_trial_names_and_override_values() -> None:
+    cells = [{"model.init_args.lr": 1e-5, "data.init_args.batch_size": 8, "model.init_args.arch.moh.top_k": 2}]
+    assert trial_names(cells, [3]) == {(0, 0): "lr=1e-05-batch_size=8-top_k=2-seed=3"}
+    clash = [{"model.init_args.name": "a/b"}, {"model.init_args.name": "a b"}]
+    assert trial_names(clash, [0]) == {(0, 0): "cell0-name=a_b-seed=0", (1, 0): "cell1-name=a_b-seed=0"}
+    assert [yaml.safe_load(cli_value(v)) for v in (1e-5, 2.0e-3, 3, True, None, [1, 2], "x")] == \
+        [1e-5, 2.0e-3, 3, True, None, [1, 2], "x"]
