@@ -107,10 +107,11 @@ def run_state(run: Path) -> dict:
             "files": {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}}
 
 
-def test_sweep_fails_one_trial_and_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    overlay = tmp_path / "tiny.yaml"
-    overlay.write_text(yaml.safe_dump(tiny_overlay(tmp_path)))
-    out = tmp_path / "sweep"
+def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # run_dir: tmp, and the working folder, so nothing a trial writes lands in the checkout.
+    overlay = run_dir / "tiny.yaml"
+    overlay.write_text(yaml.safe_dump(tiny_overlay(run_dir)))
+    out = run_dir / "sweep"
     args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps(GRID), "--seeds", json.dumps(SEEDS),
             "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
             "--extra_args", json.dumps(["--config", str(overlay)])]
