@@ -35,7 +35,7 @@ TOOLS: dict[str, str] = {
     "export-hf": "moh_lightning.tools.export:export_checkpoint",
     "load-authors-dit": "moh_lightning.tools.authors_dit:load_authors_dit_tool",
     "lm-eval": "moh_lightning.tools.lm_eval:lm_eval",
-    "sweep": "moh_lightning.tools.sweep:sweep",
+    "sweep": "moh_lightning.sweep:sweep",
 }
 
 _CONFIG_FLAGS = ("--config", "-c")

@@ -25,8 +25,8 @@ import yaml
 from ray.tune import Callback
 
 from moh_lightning import cli
-from moh_lightning.tools import sweep as sweep_tool
-from moh_lightning.tools.sweep import cli_value, trial_names
+from moh_lightning import sweep as sweep_tool
+from moh_lightning.sweep import cli_value, trial_names
 from moh_lightning.tools.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
 # The only place naming `moh fit` config keys: the shipped embedded LM config, made tiny by one overlay. When keys
