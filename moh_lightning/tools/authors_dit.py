@@ -32,6 +32,7 @@ re-computation written from their formulas, and ``results/authors_models.md`` ag
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -182,6 +183,15 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+@contextmanager
+def one_line_errors(tool: str):
+    """A missing file, an unreachable hub or weights that do not fit stop the tool with one line saying so."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"moh {tool}: {error}") from None
+
+
 def write_checkpoint(path: str | Path, task_hparams: dict, state_dict: dict[str, torch.Tensor],
                      datamodule_hparams: dict) -> Path:
     """A checkpoint in the layout ``moh fit`` writes and the tools read (``load_from_checkpoint``, the data module's
@@ -216,17 +226,20 @@ def load_authors_dit_tool(
         cfg_scale: Default classifier-free guidance of ``moh sample``.
         cfg_channels: Latent channels guided by default (their code guides 3; None guides all).
     """
-    config = experiment_init_args(experiment)
+    with one_line_errors("load-authors-dit"):
+        config = experiment_init_args(experiment)
     model_section, data_section = config.get("model") or {}, config.get("data") or {}
     if not str(model_section.get("class_path", "")).endswith("ClassConditionalDiffusion"):
-        raise ValueError(f"--experiment {experiment}: not a diffusion experiment (model.class_path "
-                         f"{model_section.get('class_path')!r}).")
+        raise SystemExit(f"moh load-authors-dit: --experiment {experiment}: not a diffusion experiment "
+                         f"(model.class_path {model_section.get('class_path')!r}).")
     init_args = dict(model_section.get("init_args") or {})
     arch = DiTConfig(**init_args.pop("arch", {}))
     hparams = {**init_args, "sampler": AUTHORS_SAMPLING["sampler"], "sample_steps": AUTHORS_SAMPLING["sample_steps"],
                "cfg_scale": cfg_scale, "cfg_channels": cfg_channels}
-    task = ClassConditionalDiffusion(arch, **hparams)
-    load_authors_weights(task.model, read_state_dict(source))
+    with one_line_errors("load-authors-dit"):
+        state = read_state_dict(source)  # before building the model: a bad source stops at once
+        task = ClassConditionalDiffusion(arch, **hparams)
+        load_authors_weights(task.model, state)
     data_hparams = {**(data_section.get("init_args") or {}),
                     "provenance": f"The authors' MoH-DiT weights {source} (SkyworkAI/MoH), loaded by "
                                   f"`moh load-authors-dit` as {Path(experiment).name}."}
@@ -237,4 +250,5 @@ def load_authors_dit_tool(
 
 
 __all__ = ["AUTHORS_DIT", "AUTHORS_SAMPLING", "ROUTER_NAMES", "authors_to_dit_state_dict", "experiment_init_args",
-           "load_authors_dit", "load_authors_dit_tool", "load_authors_weights", "read_state_dict", "write_checkpoint"]
+           "load_authors_dit", "load_authors_dit_tool", "load_authors_weights", "one_line_errors", "read_state_dict",
+           "write_checkpoint"]

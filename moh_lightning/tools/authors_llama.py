@@ -32,7 +32,7 @@ from moh_lightning.models.convert_llama import (
     moh_to_hf_state_dict,
 )
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, RotaryEmbedding
-from moh_lightning.tools.authors_dit import write_checkpoint
+from moh_lightning.tools.authors_dit import one_line_errors, write_checkpoint
 
 AUTHORS_LLAMA_HUB = "Chat-UniVi/MoH-LLaMA3-8B"
 #: Files of a Hugging Face model folder the loader needs (no modelling code is downloaded or run).
@@ -135,8 +135,9 @@ def load_authors_llama_tool(source: str = AUTHORS_LLAMA_HUB, out: str = "authors
         out: The ``.ckpt`` or the folder to write.
         dtype: Weight dtype written (float32, bfloat16, float16); the checkpoint's when None.
     """
-    model = load_authors_llama(source, getattr(torch, dtype) if dtype else None)
-    folder = model_folder(source)
+    with one_line_errors("load-authors-llama"):
+        model = load_authors_llama(source, getattr(torch, dtype) if dtype else None)
+        folder = model_folder(source)
     moh = model.config.moh
     provenance = (f"The authors' MoH-LLaMA3 weights `{source}` (SkyworkAI/MoH, continue-tuned from LLaMA3-8B), loaded "
                   f"by `moh load-authors-llama` with their query-norm budget: {moh.num_shared_heads} shared + top-"
