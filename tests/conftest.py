@@ -1,8 +1,13 @@
+import contextlib
+import importlib
+import io
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 # Two threads at most: the suite runs on a 2-core CI machine.
@@ -29,3 +34,28 @@ def write_image_folder():
                 for i in range(per_class):
                     Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
     return write
+
+
+def run_checkpoints(name: str, root: str | Path = ".") -> Path:
+    """The ``checkpoints/`` folder of the newest run folder ``<root>/runs/<name>/version_N/`` that has one."""
+    versions = sorted((Path(root) / "runs" / name).glob("version_*/checkpoints"),
+                      key=lambda folder: int(folder.parent.name.removeprefix("version_")))
+    assert versions, f"no checkpoints under {Path(root) / 'runs' / name}/version_*/"
+    return versions[-1]
+
+
+def printed_config(args: list[str]) -> dict:
+    """The complete config ``moh fit <args> --print_config`` prints, as a dict."""
+    from moh_lightning.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None), exit_info.value.code
+    return yaml.safe_load(out.getvalue())
+
+
+def class_of(class_path: str) -> type:
+    """The class a config's ``class_path`` names (a config may name it through a re-exporting package)."""
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

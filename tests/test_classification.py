@@ -6,12 +6,15 @@ import pytest
 import timm
 import torch
 import yaml
+from conftest import class_of
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from moh_lightning.cli import MoHLightningCLI, config_dir, main, resolve_config
 from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, load_mnist_5k
 from moh_lightning.layers import activated_head_fraction
-from moh_lightning.models.vit import ViTConfig, create_vit, vit_config
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.tasks.classification import ImageClassifier
 
 VIT_CONFIGS = sorted(p.name for p in config_dir().glob("vit_*.yaml"))
 SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
@@ -43,7 +46,8 @@ def test_fit_end_to_end_on_embedded_mnist_logs_per_layer_head_load(run_dir):
 def test_checkpoint_reloads_to_the_same_validation_accuracy(run_dir):
     main(["fit", "--config", "vit_tiny_mnist_75.yaml", *SMOKE])
     checkpoint = next((run_dir / "runs" / "vit_tiny_mnist_75" / "version_0" / "checkpoints").glob("last.ckpt"))
-    args = ["--config", resolve_config("vit_tiny_mnist_75.yaml"), "--trainer.limit_val_batches=2", "--trainer.logger=false"]
+    args = ["--config", resolve_config("vit_tiny_mnist_75.yaml"), "--trainer.limit_val_batches=2",
+            "--trainer.logger=false"]
     first = MoHLightningCLI(args=["validate", *args, f"--ckpt_path={checkpoint}"]).trainer.callback_metrics
     second = MoHLightningCLI(args=["validate", *args, f"--ckpt_path={checkpoint}"]).trainer.callback_metrics
     assert first["val/acc1"] == second["val/acc1"]
@@ -63,8 +67,8 @@ def test_print_config_prints_complete_yaml(capsys, run_dir):
     with pytest.raises(SystemExit):
         main(["fit", "--config", "vit_s_75.yaml", "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["model"]["class_path"] == "moh_lightning.tasks.classification.ImageClassifier"
-    assert config["model"]["init_args"]["vit"]["num_heads"] == 6
+    assert class_of(config["model"]["class_path"]) is ImageClassifier
+    assert config["model"]["init_args"]["arch"]["num_heads"] == 6
     assert config["model"]["init_args"]["lr"] == 1e-3 and config["model"]["init_args"]["weight_decay"] == 0.05
     assert "trainer" in config and "data" in config
 
@@ -78,8 +82,8 @@ def test_bare_config_names_resolve_to_shipped_configs_and_unknown_names_fail(run
         resolve_config("no_such_config.yaml")
 
 
-@pytest.mark.parametrize("override, key", [("--model.init_args.vit.top_k=7", "top_k"),
-                                           ("--model.init_args.vit.num_shared_heads=9", "num_shared_heads"),
+@pytest.mark.parametrize("override, key", [("--model.init_args.arch.moh.top_k=7", "top_k"),
+                                           ("--model.init_args.arch.moh.num_shared_heads=9", "num_shared_heads"),
                                            ("--model.init_args.load_balance_beta=-0.1", "load_balance_beta")])
 def test_invalid_budgets_fail_at_config_time_naming_the_key(override, key, run_dir):
     with pytest.raises(SystemExit, match=key):  # the CLI's one-line error
@@ -118,19 +122,19 @@ def test_timm_vit_weights_load_into_moh_vit_and_dense_mode_reproduces_timm():
     shape = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=6, num_classes=5, drop_path_rate=0.0)
     reference = timm.models.vision_transformer.VisionTransformer(**shape).eval()
     state = reference.state_dict()
-    dense = create_vit(ViTConfig(**shape, dense=True)).eval()
+    dense = create_vit(ViTConfig(**shape, moh=None)).eval()
     dense.load_state_dict(state)
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(dense(x), reference(x), rtol=0, atol=0)
-    moh = create_vit(ViTConfig(**shape, num_shared_heads=2, top_k=[2, 3])).eval()
+    moh = create_vit(ViTConfig(**shape, moh=MoHConfig(num_shared_heads=2, top_k=[2, 3]))).eval()
     result = moh.load_state_dict(state, strict=False)
     assert not result.unexpected_keys and all(".router." in key for key in result.missing_keys)
     assert [block.attn.active_heads for block in moh.blocks] == [4, 5]
 
 
 def test_per_layer_budget_lists_must_match_depth():
-    with pytest.raises(ValueError, match="top_k has 3 entries for depth=12"):
-        vit_config("vit_s_75", top_k=[2, 2, 2])
+    with pytest.raises(ValueError, match="top_k has 3 entries but depth=12"):
+        ViTConfig(moh=MoHConfig(num_shared_heads=2, top_k=[2, 2, 2]))  # vit_s_75.yaml's ViT-S with 3 budgets
 
 
 def test_multi_gpu_overlay_switches_strategy_and_keeps_the_experiment(capsys, run_dir):
@@ -139,6 +143,6 @@ def test_multi_gpu_overlay_switches_strategy_and_keeps_the_experiment(capsys, ru
               "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["trainer"]["strategy"] == "ddp" and config["trainer"]["devices"] == 8
-    assert config["model"]["init_args"]["vit"]["top_k"] == 5
+    assert config["model"]["init_args"]["arch"]["moh"]["top_k"] == 5
     assert config["data"]["class_path"] == "moh_lightning.data.images.ImageFolderDataModule"
     assert config["data"]["init_args"]["batch_size"] == 128 and config["data"]["init_args"]["data_dir"] == "/d"

@@ -18,7 +18,7 @@ def _error(call) -> str:
 
 
 @pytest.mark.parametrize(("override", "key"), [
-    (["--model.init_args.vit.top_kk", "3"], "'model.init_args.vit.top_kk'"),  # mistyped key inside a subclass
+    (["--model.init_args.arch.moh.top_kk", "3"], "'model.init_args.arch.moh.top_kk'"),  # mistyped key in a subclass
     (["--trainer.max_step", "3"], "'trainer.max_step'"),                      # an abbreviation is not max_steps
     (["--trainer.max_steps", "three"], "'trainer.max_steps'"),                # wrong type
 ])
@@ -35,7 +35,8 @@ def test_mistyped_key_in_a_yaml_is_one_line(run_dir):
 
 
 def test_impossible_head_budget_is_one_line_naming_the_budget(run_dir):
-    message = _error(lambda: main(["fit", "--config", "vit_tiny_mnist_75.yaml", "--model.init_args.vit.top_k", "7"]))
+    message = _error(lambda: main(["fit", "--config", "vit_tiny_mnist_75.yaml",
+                                   "--model.init_args.arch.moh.top_k", "7"]))
     assert "top_k=7" in message and "6 routed heads" in message
 
 

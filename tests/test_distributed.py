@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_checkpoints
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -72,7 +73,8 @@ def test_two_process_ddp_matches_one_process_loss_head_load_and_weights(tmp_path
     ddp_state, ddp_rows = _fit(tmp_path / "ddp", devices=2)
     # Same weights and the same tokens each step: global f_i makes the ranks' mean loss the 1-process loss, and
     # DDP's averaged gradients the 1-process gradients, so the runs stay together step after step.
-    single_loss, ddp_loss = _column(single_rows, "train/load_balance_loss"), _column(ddp_rows, "train/load_balance_loss")
+    single_loss = _column(single_rows, "train/load_balance_loss")
+    ddp_loss = _column(ddp_rows, "train/load_balance_loss")
     assert len(single_loss) == len(ddp_loss) == STEPS
     assert ddp_loss == pytest.approx(single_loss, rel=1e-5)
     for key in ("load_entropy", "max_min_load_ratio", "heads_under_low_load"):
@@ -101,22 +103,20 @@ def _write_text_corpus(folder: Path) -> None:
 DDP_TASKS = {
     "classification": ("vit_tiny_mnist_75", ["--data.init_args.batch_size=16", "--trainer.limit_val_batches=1",
                                              "--trainer.val_check_interval=3"]),
-    # dit_mnist_90's own callbacks (EMA from step 400, sample grids every 500 steps) are replaced so that the
-    # EMA is updated and a grid is sampled on rank 0 within the 3 steps.
+    # dit_mnist_90's own callbacks (EMA from step 400, sample grids every 1000 steps) are replaced so that the
+    # EMA is updated and a grid is sampled on rank 0 within the 3 steps; the head-load dashboards and last.ckpt
+    # are the always-on callbacks'.
     "diffusion": ("dit_mnist_90", ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1",
                                    "--trainer.val_check_interval=3", "--trainer.callbacks=" + json.dumps([
                                        {"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging",
                                         "init_args": {"decay": 0.9, "update_starting_at_step": 1}},
-                                       {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                        "init_args": {"save_last": True, "save_top_k": 0}},
-                                       {"class_path": "moh_lightning.callbacks.HeadLoadCallback"},
                                        {"class_path": "moh_lightning.callbacks.sample_grid.SampleGridCallback",
                                         "init_args": {"every_n_steps": 2, "num_per_class": 1, "steps": 2}}])]),
     "language_model": ("llm_stdlib_75", [
         "--data.init_args.sources=[{path: corpus, val_fraction: 0.3}]", "--data.init_args.cache_dir=token_cache",
-        "--data.init_args.seq_len=64", "--data.init_args.batch_size=4", "--model.init_args.llm.n_layer=2",
-        "--model.init_args.llm.n_embd=64", "--model.init_args.llm.head_size=8",
-        "--model.init_args.llm.intermediate_size=128", "--model.init_args.llm.block_size=64",
+        "--data.init_args.seq_len=64", "--data.init_args.batch_size=4", "--model.init_args.arch.depth=2",
+        "--model.init_args.arch.embed_dim=64", "--model.init_args.arch.head_dim=8",
+        "--model.init_args.arch.intermediate_size=128", "--model.init_args.arch.block_size=64",
         "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3"]),
 }
 
@@ -146,8 +146,10 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     for name, value in rank0.items():
         assert torch.equal(value, rank1[name]), name
         assert torch.isfinite(value.float()).all(), name
-    run = next(run_dir.rglob("version_0"))  # the config's TensorBoard run
-    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    run = run_dir / "runs" / config / "version_0"  # the config's run folder: TensorBoard events, checkpoints
+    checkpoints = run_checkpoints(config, run_dir)
+    assert checkpoints.parent == run
+    checkpoint = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 3
     assert all(torch.isfinite(v.float()).all() for v in checkpoint["state_dict"].values())
     losses = _logged_scalars(run, "train/loss")

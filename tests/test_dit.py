@@ -3,39 +3,45 @@ the sample-grid callback and the latent cache."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import printed_config
+from models import dit_t4_config
 
 from moh_lightning.cli import config_dir, main
-from moh_lightning.layers import MoHAttention, activated_head_fraction
-from moh_lightning.models.dit import DIT_CONFIGS, DiT, build_dit, sincos_pos_embed_2d
 from moh_lightning.diffusion import GaussianDiffusionLoss
+from moh_lightning.layers import MoHAttention, activated_head_fraction
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
-TINY = dict(input_size=8, patch_size=2, in_channels=2, hidden_size=32, depth=3, num_heads=4, num_classes=5)
+TINY = dict(input_size=8, patch_size=2, in_channels=2, embed_dim=32, depth=3, num_heads=4, num_classes=5)
+# The named DiTs are the shipped configs: dit_<size>_<percent of heads>.yaml (100 = the dense DiT).
+DIT_YAMLS = sorted(p.name for p in config_dir().glob("dit_*.yaml"))
 
 
-@pytest.mark.parametrize("name", sorted(DIT_CONFIGS))
+@pytest.mark.parametrize("name", DIT_YAMLS)
 def test_named_configs_head_budgets(name):
+    required = [] if "mnist" in name else ["--data.init_args.data_path=/nonexistent"]
+    arch = printed_config(["--config", name, *required])["model"]["init_args"]["arch"]
     with torch.device("meta"):
-        model = build_dit(name, input_size=4, num_classes=10)
+        model = DiT(DiTConfig(**{**arch, "input_size": 4, "num_classes": 10}))
     fraction = activated_head_fraction(model)
-    target = 1.0 if not name.startswith("MoH") else int(name.rsplit("-", 1)[1]) / 100
-    assert abs(fraction - target) < 0.015, (name, fraction)
+    percent = int(Path(name).stem.rsplit("_", 1)[1])
+    assert abs(fraction - percent / 100) < 0.015, (name, fraction)
     layers = [block.attn for block in model.blocks]
     assert all(isinstance(layer, MoHAttention) for layer in layers)
-    assert all(layer.is_moh for layer in layers) == name.startswith("MoH")
-    if name.startswith("MoH"):  # fewer active heads in shallow blocks than in deep ones
+    assert all(layer.is_moh for layer in layers) == (percent < 100)
+    if percent < 100:  # fewer active heads in shallow blocks than in deep ones
         assert layers[0].active_heads < layers[-1].active_heads
 
 
 def test_forward_shape_zero_init_and_gradients_reach_every_parameter():
     torch.manual_seed(0)
-    model = DiT(**TINY, num_shared_heads=[1, 2, 4], top_k=[2, 1, 0])
+    model = DiT(DiTConfig(**TINY, moh=MoHConfig(num_shared_heads=[1, 2, 4], top_k=[2, 1, 0])))
     x, t, y = torch.randn(3, 2, 8, 8), torch.tensor([0, 10, 999]), torch.tensor([0, 4, 2])
     out = model(x, t, y)
     assert out.shape == (3, 4, 8, 8)
@@ -50,13 +56,13 @@ def test_forward_shape_zero_init_and_gradients_reach_every_parameter():
     assert [b.attn.active_heads for b in model.blocks] == [3, 3, 4]
 
 
-def test_bad_head_budget_names_the_block():
-    with pytest.raises(ValueError, match="DiT block 1"):
-        DiT(**TINY, num_shared_heads=[1, 5, 1], top_k=[1, 1, 1])
+def test_bad_head_budget_names_the_block(run_dir):
+    with pytest.raises(ValueError, match=r"num_shared_heads=5 \(layer 1\)"):
+        DiT(DiTConfig(**TINY, moh=MoHConfig(num_shared_heads=[1, 5, 1], top_k=[1, 1, 1])))
     with pytest.raises(ValueError, match="num_shared_heads has 2 entries"):
-        DiT(**TINY, num_shared_heads=[1, 1], top_k=1)
-    with pytest.raises(ValueError, match="not a named DiT"):
-        build_dit("DiT-Q/3")
+        DiT(DiTConfig(**TINY, moh=MoHConfig(num_shared_heads=[1, 1], top_k=1)))
+    with pytest.raises(SystemExit, match="dit_q3.yaml: no such file.*shipped configs"):  # not a named DiT
+        main(["fit", "--config", "dit_q3.yaml"])
 
 
 def test_sincos_matches_dit_reference():
@@ -74,7 +80,7 @@ def test_sincos_matches_dit_reference():
 
 def test_cfg_scale_one_is_the_conditional_model():
     torch.manual_seed(0)
-    model = DiT(**TINY, class_dropout_prob=0.1).eval()
+    model = DiT(DiTConfig(**TINY, class_dropout_prob=0.1)).eval()
     torch.nn.init.normal_(model.final_layer.linear.weight)
     for block in model.blocks:  # the label reaches the output only through the (zero-initialised) adaLN layers
         torch.nn.init.normal_(block.adaLN_modulation[1].weight, std=0.1)
@@ -86,7 +92,7 @@ def test_cfg_scale_one_is_the_conditional_model():
 
 
 def test_variational_bound_vanishes_for_the_true_posterior():
-    task = ClassConditionalDiffusion(model="DiT-T/4", input_size=8, in_channels=1, num_classes=2)
+    task = ClassConditionalDiffusion(dit_t4_config(input_size=8, in_channels=1, num_classes=2))
     loss: GaussianDiffusionLoss = task.criterion
     torch.manual_seed(0)
     x0 = torch.rand(4, 1, 8, 8) * 2 - 1
@@ -103,8 +109,8 @@ def test_variational_bound_vanishes_for_the_true_posterior():
 
 
 def _tiny_task(**kwargs) -> ClassConditionalDiffusion:
-    return ClassConditionalDiffusion(model="DiT-T/4", model_args={"depth": 1, "hidden_size": 32, "num_heads": 2},
-                                     input_size=8, in_channels=1, num_classes=3, **kwargs)
+    return ClassConditionalDiffusion(dit_t4_config(depth=1, embed_dim=32, num_heads=2, input_size=8, in_channels=1,
+                                                   num_classes=3), **kwargs)
 
 
 def test_min_snr_weighting_scales_only_the_mse_term():

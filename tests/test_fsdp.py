@@ -16,17 +16,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from models import tiny_llama_config
+from test_distributed import DDP_TASKS, _logged_scalars, _write_text_corpus
 from timm.optim import param_groups_weight_decay
 from torch import nn
 
-from moh_lightning.models.llama import MoHLlama, llama_config
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.llama import MoHLlama
 from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.tasks.base import DECAYED_LAYERS, weight_decay_groups
 from moh_lightning.tasks.classification import ImageClassifier
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 from moh_lightning.tasks.language_model import LanguageModel
-from moh_lightning.tasks.sharding import DECAYED_LAYERS, weight_decay_groups
-
-from test_distributed import DDP_TASKS, _logged_scalars, _write_text_corpus
 
 CLIP = 1e-3  # far below the gradient norms of these runs, so every step is clipped
 
@@ -70,13 +71,12 @@ def _moh_fit(run_dir: Path, config: str, overrides: list[str]) -> subprocess.Com
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
 
 
-# The DDP test's shrunk configs; DiT without its EMA and sample-grid callbacks, which FSDP cannot run (below).
+# The DDP test's shrunk configs; DiT without its EMA and sample-grid callbacks, which FSDP cannot run (below), so
+# with the always-on callbacks alone (head-load dashboards, checkpoints with last.ckpt).
 FSDP_TASKS = {
     "classification": (ImageClassifier, *DDP_TASKS["classification"]),
-    "diffusion": (ClassConditionalDiffusion, "dit_mnist_90", [*DDP_TASKS["diffusion"][1][:-1], "--trainer.callbacks="
-                  + json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                 "init_args": {"save_last": True, "save_top_k": 0}},
-                                {"class_path": "moh_lightning.callbacks.HeadLoadCallback"}])]),
+    "diffusion": (ClassConditionalDiffusion, "dit_mnist_90", [*DDP_TASKS["diffusion"][1][:-1],
+                                                              "--trainer.callbacks=" + json.dumps([])]),
     "language_model": (LanguageModel, *DDP_TASKS["language_model"]),
 }
 
@@ -88,11 +88,11 @@ def _ids(groups: list[dict]) -> list[set[int]]:
 def test_weight_decay_by_layer_type_equals_the_shape_rules_on_unsharded_models():
     # The rules the tasks used before FSDP: timm's for the ViT, matrices and embeddings for the decoder.
     vit = create_vit(ViTConfig(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=6, num_classes=5,
-                               num_shared_heads=2, top_k=2, qk_norm=True))
+                               moh=MoHConfig(num_shared_heads=2, top_k=2), qk_norm=True))
     timm_rule = param_groups_weight_decay(vit, 0.05, no_weight_decay_list=vit.no_weight_decay())
     assert _ids(weight_decay_groups(vit, 0.05)) == _ids(timm_rule)
     for tied in (True, False):
-        llm = MoHLlama(llama_config("tiny_75", tie_embeddings=tied))
+        llm = MoHLlama(tiny_llama_config("tiny_75", tie_embeddings=tied))
         shape_rule = [{"params": [p for p in llm.parameters() if p.ndim >= 2], "weight_decay": 0.1},
                       {"params": [p for p in llm.parameters() if p.ndim < 2], "weight_decay": 0.0}]
         assert _ids(weight_decay_groups(llm, 0.1)) == _ids(shape_rule)

@@ -48,8 +48,8 @@ def test_all_heads_active_reproduces_llama_logits(llama_folder):
 
 def test_default_split_is_half_shared_at_75_percent(llama_folder):
     config = llm_config_from_hf(LlamaForCausalLM.from_pretrained(llama_folder).config)
-    assert (config.num_shared_heads, config.top_k, config.activated_fraction) == (4, 2, 0.75)
-    assert config.router == "query_norm" and config.n_kv_head == 2 and config.rope_base == 5000.0
+    assert (config.moh.num_shared_heads, config.moh.top_k, config.activated_fraction) == (4, 2, 0.75)
+    assert config.moh.router == "query_norm" and config.num_kv_heads == 2 and config.rope_base == 5000.0
 
 
 def test_75_percent_routes_trains_and_balances(llama_folder):
@@ -137,6 +137,6 @@ def test_conversion_errors_are_clear(tmp_path):
         from_hf(str(tmp_path / "nothing"))
     learned = MoHLlama(llm_config_from_hf(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
                                                       num_hidden_layers=1, num_attention_heads=4)))
-    learned.config.router = "learned"
+    learned.config.moh.router = "learned"
     with pytest.raises(ValueError, match="query_norm"):
         export_hf(learned, tmp_path / "x")

@@ -8,12 +8,12 @@ import lightning as L
 import pytest
 import torch
 from lm_eval.api.instance import Instance
+from models import tiny_llama_config
 
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule, TextSource
-from moh_lightning.tools.lm_eval import MoHLM
-from moh_lightning.models.llama import llama_config
 from moh_lightning.tasks.language_model import LanguageModel
+from moh_lightning.tools.lm_eval import MoHLM
 
 QUESTIONS = [{"question": "the cat sat on the", "choices": [" mat", " sky"], "answer": 0},
              {"question": "the dog sat on the", "choices": [" rug", " mat"], "answer": 1},
@@ -31,7 +31,7 @@ def workspace(tmp_path_factory) -> Path:
     dm = TextDataModule(sources=[TextSource(path=str(corpus), val_fraction=0.2)], seq_len=32, batch_size=4,
                         cache_dir=str(root / "cache"), val_samples=4)
     torch.manual_seed(0)
-    task = LanguageModel(llama_config("tiny_75", router="query_norm"), lr=3e-3, min_lr=3e-4, warmup_steps=2)
+    task = LanguageModel(tiny_llama_config("tiny_75", router="query_norm"), lr=3e-3, min_lr=3e-4, warmup_steps=2)
     trainer = L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0)
     trainer.fit(task, dm)

@@ -151,8 +151,8 @@ def test_query_norm_router_with_every_head_active_is_the_dense_layer():
     assert set(sparse.last_gates.unique().tolist()) == {0.0, 1.0}
 
 
-@pytest.mark.parametrize("shared, top_k, key", [(7, 0, "num_shared_heads"), (2, 5, "top_k"), (-1, 2, "num_shared_heads"),
-                                               (6, 2, "top_k"), (2, 0, "top_k")])
+@pytest.mark.parametrize("shared, top_k, key", [(7, 0, "num_shared_heads"), (2, 5, "top_k"),
+                                               (-1, 2, "num_shared_heads"), (6, 2, "top_k"), (2, 0, "top_k")])
 def test_impossible_head_budgets_name_the_key(shared, top_k, key):
     with pytest.raises(ValueError, match=key):
         check_head_budget(HEADS, shared, top_k)

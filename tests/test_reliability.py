@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import run_checkpoints
+from faults import CrashAtStep
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, TensorDataset
 
-from faults import CrashAtStep
 from moh_lightning import MoHAttention, checkpoint_io
 from moh_lightning.callbacks import FiniteLossGuard, HeadLoadCallback, StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
@@ -28,17 +29,15 @@ from moh_lightning.data.images import ImageFolderDataModule
 # DropPath (torch), Mixup (numpy).
 FAST = ["--trainer.limit_val_batches=0", "--data.init_args.batch_size=16", "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--model.init_args.vit.depth=2", "--model.init_args.vit.drop_path_rate=0.1",
+        "--model.init_args.arch.depth=2", "--model.init_args.arch.drop_path_rate=0.1",
         "--model.init_args.mixup_alpha=0.2", "--model.init_args.mixup_prob=0.5",
         "--data.init_args.auto_augment=rand-m5-mstd0.5-inc1", "--data.init_args.re_prob=0.25"]
 
 
 def _fast_config(run_dir, every: int = 2, keep: int = 2) -> str:
-    """The embedded config's callbacks with step checkpoints every ``every`` steps (keep ``keep`` + last)."""
-    config = {"trainer": {"callbacks": [
-        {"class_path": "moh_lightning.callbacks.StepCheckpoint",
-         "init_args": {"dirpath": "checkpoints", "every_n_train_steps": every, "keep": keep}},
-        {"class_path": "moh_lightning.callbacks.ExactResumeCallback"}]}}
+    """Only the always-on callbacks (exact resume among them), with step checkpoints every ``every`` steps (keep
+    ``keep`` + last) in the run folder; the config's other callbacks are dropped."""
+    config = {"trainer": {"callbacks": []}, "checkpoint": {"every_n_train_steps": every, "keep": keep}}
     path = run_dir / "fast.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -117,7 +116,7 @@ def test_run_killed_mid_epoch_resumes_from_last_to_the_same_weights_and_losses(r
     uninterrupted = _train(run_dir / "uninterrupted", monkeypatch, *args)
     with pytest.raises(RuntimeError, match="injected crash at step 5"):
         _train(run_dir / "resumed", monkeypatch, *args, crash_at=5)
-    checkpoints = run_dir / "resumed" / "checkpoints"
+    checkpoints = run_checkpoints("vit_tiny_mnist_75", run_dir / "resumed")
     monkeypatch.chdir(run_dir / "resumed")
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
     resumed = MoHLightningCLI(args=["fit", "--config", resolve_config("vit_tiny_mnist_75.yaml"), "--config",
@@ -237,7 +236,7 @@ def test_routing_collapse_warns_naming_layer_and_heads_and_logs_a_scalar(tmp_pat
 @pytest.mark.parametrize("where", ["command line", "config file"])
 def test_mistyped_config_key_fails_naming_the_key(where, run_dir):
     if where == "command line":
-        args = ["--model.init_args.vit.top_kk=3"]
+        args = ["--model.init_args.arch.moh.top_kk=3"]
     else:
         (run_dir / "typo.yaml").write_text("model:\n  init_args:\n    learning_rate: 0.1\n")
         args = ["--config", "typo.yaml"]
