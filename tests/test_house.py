@@ -72,7 +72,8 @@ def test_every_task_has_a_shipped_config():
 
 # Named models are the shipped experiment configs; those small enough for this CPU train a step here.
 SMALL = ["vit_tiny_mnist_75.yaml", "vit_tiny_mnist_50.yaml", "vit_tiny_mnist_100.yaml", "dit_mnist_90.yaml",
-         "dit_mnist_75.yaml", "dit_mnist_100.yaml", "llm_stdlib_75.yaml", "llm_stdlib_50.yaml", "llm_stdlib_100.yaml"]
+         "dit_mnist_75.yaml", "dit_mnist_100.yaml", "llm_stdlib_75.yaml", "llm_stdlib_50.yaml", "llm_stdlib_100.yaml",
+         "moh_transnext_mnist_75.yaml"]
 
 
 def _task(name: str) -> MoHTask:

@@ -1,5 +1,8 @@
 """Image classification with a MoH ViT: the paper's MoH-ViT recipe (section 4.1) as a LightningModule.
 
+``ImageClassifier`` trains timm's ViT with MoH attention; ``TransNeXtClassifier`` trains the paper's own MoH-ViTs
+(MoH-TransNeXt) with the same recipe and can start from released weights.
+
 Defaults are the recipe: timm's Mixup / CutMix with label smoothing and soft-target cross-entropy, AdamW
 (lr 1e-3, weight decay 0.05, no decay on norms, biases and embeddings), a 5-epoch linear warm-up from 1e-6
 then cosine decay (timm's scheduler, stepped per optimiser step), load-balance loss beta 0.01. RandAugment,
@@ -12,8 +15,10 @@ import torch
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
+from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from moh_lightning.models.transnext import TransNeXtConfig, create_transnext, load_pretrained
 from moh_lightning.models.vit import ViTConfig, create_vit
 from moh_lightning.tasks.base import MoHTask, weight_decay_groups
 
@@ -55,10 +60,8 @@ class ImageClassifier(MoHTask):
     ) -> None:
         super().__init__(load_balance_beta)
         self.save_hyperparameters()
-        # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
-        arch = arch if isinstance(arch, ViTConfig) else ViTConfig(**arch)
-        self.model = create_vit(arch)
-        num_classes = arch.num_classes
+        self.model = self.build_model(arch)
+        num_classes = self.model.num_classes
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
             self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob,
@@ -69,6 +72,11 @@ class ImageClassifier(MoHTask):
             self.train_criterion = LabelSmoothingCrossEntropy(label_smoothing)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+
+    @staticmethod
+    def build_model(arch: ViTConfig | dict) -> nn.Module:
+        # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
+        return create_vit(arch if isinstance(arch, ViTConfig) else ViTConfig(**arch))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -114,7 +122,7 @@ class ImageClassifier(MoHTask):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(weight_decay_groups(self.model, hp.weight_decay), lr=hp.lr)
+        optimizer = torch.optim.AdamW(self.parameter_groups(hp.weight_decay), lr=hp.lr)
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
         steps_per_epoch = total_steps / max(self.trainer.max_epochs or 1, 1)
         scheduler = CosineLRScheduler(optimizer, t_initial=total_steps, lr_min=hp.min_lr,
@@ -122,6 +130,52 @@ class ImageClassifier(MoHTask):
                                       warmup_lr_init=hp.warmup_lr, t_in_epochs=False)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def parameter_groups(self, weight_decay: float) -> list[dict]:
+        return weight_decay_groups(self.model, weight_decay)
+
     def lr_scheduler_step(self, scheduler, metric) -> None:
         # timm schedulers count optimiser updates through step_update rather than torch's step().
         scheduler.step_update(num_updates=self.global_step)
+
+
+class TransNeXtClassifier(ImageClassifier):
+    """``ImageClassifier`` (the same recipe and options) over a (MoH-)TransNeXt, the paper's MoH-ViT.
+
+    A class of its own rather than a union in ``arch``: jsonargparse resolves a command-line override such as
+    ``--model.init_args.arch.moh.top_k`` against the first type of a union, which would turn a TransNeXt into a ViT.
+
+    Args:
+        arch: The TransNeXt architecture and its per-stage head budgets (``arch.moh``).
+        pretrained: Weights to start from: a file or a hub id (``owner/name``, or ``owner/name:file``) in the suite's
+            layout or the authors' (SkyworkAI/MoH's MoH-ViT and TransNeXt's checkpoints); every tensor must fit.
+            Loaded when a run starts unless it resumes a checkpoint (``--ckpt_path``), whose weights win.
+        **kwargs: ``ImageClassifier``'s arguments.
+    """
+
+    def __init__(self, arch: TransNeXtConfig, pretrained: str | None = None, **kwargs) -> None:
+        super().__init__(arch, **kwargs)
+        self._pretrained_loaded = False
+
+    @staticmethod
+    def build_model(arch: TransNeXtConfig | dict) -> nn.Module:
+        return create_transnext(arch if isinstance(arch, TransNeXtConfig) else TransNeXtConfig(**arch))
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.hparams.pretrained and not self._pretrained_loaded and self.trainer.ckpt_path is None:
+            load_pretrained(self.model, self.hparams.pretrained)
+            self._pretrained_loaded = True
+
+    def parameter_groups(self, weight_decay: float) -> list[dict]:
+        """TransNeXt's rule: every weight of more than one dimension decays (its learnable tokens and bias too),
+        except norms, biases and what its ``no_weight_decay_keywords`` name (position-bias MLP, temperatures,
+        query embeddings, local position bias)."""
+        skip = self.model.no_weight_decay_keywords()
+        layer_weights = {id(p) for p in weight_decay_groups(self.model, weight_decay)[0]["params"]}
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            matrix = id(param) in layer_weights or name.endswith((".learnable_tokens", ".learnable_bias"))
+            (decay if matrix and not any(word in name for word in skip) else no_decay).append(param)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
