@@ -33,6 +33,7 @@ TOOLS: dict[str, str] = {
     "generate": "moh_lightning.tools.generate:generate",
     "convert-llama": "moh_lightning.tools.export:convert_llama",
     "export-hf": "moh_lightning.tools.export:export_checkpoint",
+    "export-timm": "moh_lightning.tools.export_timm:export_timm",
     "load-authors-dit": "moh_lightning.tools.authors_dit:load_authors_dit_tool",
     "load-authors-llama": "moh_lightning.tools.authors_llama:load_authors_llama_tool",
     "lm-eval": "moh_lightning.tools.lm_eval:lm_eval",

@@ -1,12 +1,17 @@
 """MoH Vision Transformer: timm's ``VisionTransformer`` with ``MoHAttention`` entering through ``attn_layer``.
 
 Nothing of ViT is re-implemented here: the config says which heads each layer shares and routes, and timm
-builds the model. The named models (the paper's budgets on ViT-S/B) are the shipped configs in ``cli_configs/``.
+builds the model. The named models (the paper's budgets on ViT-S/B) are the shipped configs in ``cli_configs/``, and
+are registered with timm (``timm.create_model("moh_vit_small_patch16_224_75")``) once this module is imported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, register_model
+from timm.models._registry import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer
 
 from moh_lightning.layers import MoHAttention, layerwise
@@ -66,4 +71,59 @@ def create_vit(config: ViTConfig) -> VisionTransformer:
     return model
 
 
-__all__ = ["ViTConfig", "create_vit"]
+# Named MoH-ViTs, registered with timm: the budgets of the shipped vit_{s,b}_* configs. Each name maps to the ViTConfig
+# fields that differ from its defaults (ViT-S/16 at 224).
+NAMED_VITS: dict[str, dict] = {
+    "moh_vit_small_patch16_224_80": {"moh": {"num_shared_heads": 2, "top_k": [3] * 10 + [2] * 2}},
+    "moh_vit_small_patch16_224_75": {"moh": {"num_shared_heads": 2, "top_k": [3] * 6 + [2] * 6}},
+    "moh_vit_base_patch16_224_75": {"embed_dim": 768, "num_heads": 12, "moh": {"num_shared_heads": 4, "top_k": 5}},
+    "moh_vit_base_patch16_224_50": {"embed_dim": 768, "num_heads": 12, "moh": {"num_shared_heads": 2, "top_k": 4}},
+}
+
+
+def named_vit_config(name: str, **overrides: Any) -> ViTConfig:
+    """The config of a named MoH-ViT, with ``overrides`` (e.g. ``num_classes``) on top."""
+    if name not in NAMED_VITS:
+        raise ValueError(f"unknown MoH-ViT {name!r}: choose one of {', '.join(NAMED_VITS)}.")
+    return ViTConfig(**{**NAMED_VITS[name], **overrides})
+
+
+default_cfgs = generate_default_cfgs({name: {
+    "num_classes": 1000, "input_size": (3, 224, 224), "crop_pct": 0.875, "interpolation": "bicubic",
+    "fixed_input_size": True, "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+    "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0", "paper_ids": "arXiv:2410.11842",
+} for name in NAMED_VITS})
+
+
+def _create(name: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    def build(**fields: Any) -> VisionTransformer:
+        return create_vit(named_vit_config(name, **fields))
+
+    return build_model_with_cfg(build, name, pretrained, **kwargs)
+
+
+@register_model
+def moh_vit_small_patch16_224_80(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """MoH-ViT-S/16, 80.6% heads: 2 shared + top-3 of 4 in layers 0-9, top-2 in 10-11 (vit_s_80.yaml)."""
+    return _create("moh_vit_small_patch16_224_80", pretrained, **kwargs)
+
+
+@register_model
+def moh_vit_small_patch16_224_75(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """MoH-ViT-S/16, 75% heads: 2 shared + top-3 of 4 in layers 0-5, top-2 in 6-11 (vit_s_75.yaml)."""
+    return _create("moh_vit_small_patch16_224_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_vit_base_patch16_224_75(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """MoH-ViT-B/16, 75% heads: 4 shared + top-5 of 8 in every layer (vit_b_75.yaml)."""
+    return _create("moh_vit_base_patch16_224_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_vit_base_patch16_224_50(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """MoH-ViT-B/16, 50% heads: 2 shared + top-4 of 10 in every layer (vit_b_50.yaml)."""
+    return _create("moh_vit_base_patch16_224_50", pretrained, **kwargs)
+
+
+__all__ = ["NAMED_VITS", "ViTConfig", "create_vit", "named_vit_config"]

@@ -1,0 +1,156 @@
+"""``moh export-timm``: an image classifier trained here (MoH-ViT or MoH-TransNeXt) as a timm hub folder.
+
+The folder is what ``timm.models.push_to_hf_hub`` uploads: ``config.json`` (the registered architecture, the
+arguments that rebuild this network from it, and the preprocessing), ``model.safetensors`` and a model card. Any timm
+user loads it once the suite's models are registered (importing ``moh_lightning.models.transnext`` or
+``moh_lightning.models.vit`` registers them)::
+
+    import timm, moh_lightning.models.transnext
+    model = timm.create_model("local-dir:folder", pretrained=True)        # or "hf-hub:owner/name" once pushed
+    model = timm.create_model("moh_transnext_small_75", pretrained=True,   # the weights file alone
+                              pretrained_cfg_overlay=dict(file="folder/model.safetensors", num_classes=1000))
+
+(with the file alone, pass ``config.json``'s ``model_args`` as keyword arguments when they are not the named model's,
+and its ``num_classes`` in the overlay: timm re-initialises a head whose size differs from the overlay's).
+
+``--push_to owner/name`` uploads the folder through ``huggingface_hub``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from moh_lightning.data.images import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
+from moh_lightning.models.transnext import NAMED_MODELS, TransNeXtConfig
+from moh_lightning.models.vit import NAMED_VITS, ViTConfig
+
+# Each family: its config class and its registered names (name -> the config fields that differ from the defaults).
+FAMILIES = {"transnext": (TransNeXtConfig, NAMED_MODELS), "vit": (ViTConfig, NAMED_VITS)}
+
+
+def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: bool = False,
+                token: str | None = None) -> Path:
+    """Writes a ``moh fit`` image-classifier checkpoint as a timm folder and optionally pushes it to the hub.
+
+    Args:
+        checkpoint: A ``.ckpt`` of ``ImageClassifier`` (MoH-ViT) or ``TransNeXtClassifier`` (MoH-TransNeXt).
+        out: The folder to write (created; files of the same names are replaced).
+        push_to: A hub repo id (``owner/name``) to upload the folder to (created if missing).
+        private: Create the hub repo private.
+        token: Hugging Face token; the cached login when None.
+    """
+    import timm
+
+    raw = torch.load(checkpoint, map_location="cpu", weights_only=False)  # a moh fit checkpoint pickles its config
+    family, arch = _classifier(raw, checkpoint)
+    name, model_args = registered_name(arch)
+    model = timm.create_model(name, **model_args)
+    state = {key.removeprefix("model."): value for key, value in raw["state_dict"].items() if key.startswith("model.")}
+    model.load_state_dict(state)
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = dict(raw.get("datamodule_hyper_parameters") or {})
+    timm.models.save_for_hf(model.eval(), folder, model_args=model_args, safe_serialization=True,
+                            data_config=_preprocessing(data, arch))
+    (folder / "README.md").write_text(model_card(name, arch, family, checkpoint, model))
+    if push_to:
+        push_folder(folder, push_to, private=private, token=token)
+    return folder
+
+
+def registered_name(arch: TransNeXtConfig | ViTConfig) -> tuple[str, dict]:
+    """The registered model closest to ``arch`` and the (JSON) arguments that turn it into ``arch``."""
+    config_class, named = FAMILIES["transnext" if isinstance(arch, TransNeXtConfig) else "vit"]
+    ours = _json(asdict(arch))
+
+    def differences(name: str) -> dict:
+        base = _json(asdict(config_class(**named[name])))
+        return {key: value for key, value in ours.items() if value != base[key]}
+
+    # Any registered name rebuilds ``arch`` from its differences; the closest of the same kind (MoH / dense) reads best.
+    same_kind = [name for name in named if (named[name].get("moh") is None) == (arch.moh is None)] or list(named)
+    name = min(same_kind, key=lambda candidate: len(differences(candidate)))
+    return name, differences(name)
+
+
+def model_card(name: str, arch: TransNeXtConfig | ViTConfig, family: str, checkpoint: str, model) -> str:
+    """A hub model card: what the network is, its head budget, where it came from and how to load it."""
+    moh = arch.moh
+    module = "moh_lightning.models.transnext" if family == "transnext" else "moh_lightning.models.vit"
+    if moh is None:
+        budget = "dense multi-head attention (every head of every layer)"
+    else:
+        unit = "per stage" if family == "transnext" else "per layer"
+        budget = (f"{moh.num_shared_heads} shared heads and the top-{moh.top_k} routed heads ({unit}; "
+                  f"router `{moh.router}`, two-stage routing {moh.two_stage_routing}): "
+                  f"{arch.activated_fraction:.1%} of the heads active per token")
+    params = sum(p.numel() for p in model.parameters())
+    return f"""---
+tags:
+- image-classification
+- timm
+- mixture-of-head-attention
+library_name: timm
+license: apache-2.0
+---
+# {Path(checkpoint).stem}: {name} (Mixture-of-Head attention)
+
+A {"TransNeXt (Shi, CVPR 2024)" if family == "transnext" else "timm ViT"} classifier with Mixture-of-Head attention
+(MoH, Jin et al., ICML 2025, arXiv 2410.11842), trained with moh_lightning.
+
+* Architecture: `{name}` with the arguments in `config.json` (`model_args`); {params / 1e6:.2f}M parameters,
+  {arch.num_classes} classes, {arch.in_chans}-channel {arch.img_size}x{arch.img_size} input.
+* Heads: {budget}.
+* Source: `{checkpoint}` (a `moh fit` checkpoint), exported with `moh export-timm`.
+
+```python
+import timm
+import {module}  # registers the MoH models with timm
+
+model = timm.create_model("hf-hub:<this repo>", pretrained=True).eval()
+```
+"""
+
+
+def push_folder(folder: Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
+    """Uploads ``folder`` to the hub repo ``repo_id`` (created if missing); returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    return api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Add MoH model (moh export-timm)")
+
+
+def _classifier(raw: dict, checkpoint: str) -> tuple[str, TransNeXtConfig | ViTConfig]:
+    """The network family and config of an image-classifier checkpoint; one line naming the kind otherwise."""
+    arch = (raw.get("hyper_parameters") or {}).get("arch")
+    keys = raw.get("state_dict") or {}
+    if arch is None or not any(key.startswith("model.patch_embed.") for key in keys):
+        raise SystemExit(f"moh export-timm: {checkpoint} is not an image-classifier checkpoint (no ViT or TransNeXt "
+                         f"weights): export language models with `moh export-hf`.")
+    if isinstance(arch, (TransNeXtConfig, ViTConfig)):
+        return ("transnext" if isinstance(arch, TransNeXtConfig) else "vit"), arch
+    if any(key.startswith("model.stages.") for key in keys):
+        return "transnext", TransNeXtConfig(**arch)
+    return "vit", ViTConfig(**arch)
+
+
+def _preprocessing(data: dict, arch: TransNeXtConfig | ViTConfig) -> dict:
+    """Evaluation preprocessing of the data module the model was trained with."""
+    mnist = "crop_scale" in data and "data_dir" not in data
+    mean = data.get("mean") or (MNIST_MEAN if mnist else IMAGENET_MEAN)
+    std = data.get("std") or (MNIST_STD if mnist else IMAGENET_STD)
+    return {"mean": tuple(mean), "std": tuple(std), "crop_pct": data.get("crop_pct", 1.0 if mnist else 0.875),
+            "interpolation": data.get("interpolation", "bicubic")}
+
+
+def _json(value):
+    """Lists for tuples, so configs compare as JSON would store them."""
+    return json.loads(json.dumps(value))
+
+
+__all__ = ["export_timm", "model_card", "push_folder", "registered_name"]
