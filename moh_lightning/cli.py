@@ -134,10 +134,11 @@ def one_line_error(message: str) -> str:
     """A jsonargparse error report (usage, nested union and subclass reports) as one line naming the key."""
     unknown = re.search(r"unrecognized arguments: (\S+?)(?:=|\s|$)|Option '([^']+)' is not accepted", message)
     if unknown:
-        # Inside a subclass the report names the group ("model") and the argument relative to its init_args.
-        group = re.match(r'Parser key "([^"]+)"', message)
+        # Inside a subclass the report names the group ("model"), then each nested group within its init_args
+        # ("arch.moh"), and last the argument relative to the innermost one.
+        groups = re.findall(r'Parser key "([^"]+)"', message)
         name = (unknown.group(1) or unknown.group(2)).lstrip("-")
-        key = f"{group.group(1)}.init_args.{name}" if group and "." not in group.group(1) else name
+        key = ".".join([f"{groups[0]}.init_args", *groups[1:], name]) if groups and "." not in groups[0] else name
         return (f"unknown config key {key!r}: check its spelling and level against `moh fit --config <yaml> "
                 f"--print_config` (keys are not abbreviated).")
     # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
@@ -185,9 +186,6 @@ class MoHLightningCLI(LightningCLI):
         from_command_line = args is None
         given = list(sys.argv[1:] if from_command_line else args)
         self.run_name = run_name(given)
-        resolved = resolve_config_args(given)
-        if from_command_line:  # LightningCLI warns when given args while sys.argv has its own.
-            sys.argv[1:] = resolved
         super().__init__(
             LightningModule,
             LightningDataModule,
@@ -196,9 +194,15 @@ class MoHLightningCLI(LightningCLI):
             save_config_kwargs={"overwrite": True},
             parser_class=OneLineErrorParser,
             trainer_defaults=TRAINER_DEFAULTS,
-            args=None if from_command_line else resolved,
+            args=resolve_config_args(given),
             run=run,
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Sequence[str]) -> None:
+        # ``args`` is this command line with its configs expanded, while sys.argv keeps what was typed: Lightning's
+        # DDP launcher starts each further process from sys.argv, which then expands it the same way. (LightningCLI
+        # warns when both are given, a guard against mistakes that does not apply here.)
+        self.config = parser.parse_args(args)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(HeadLoadCallback, "head_load")
