@@ -22,7 +22,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, StepCheckpoint
-from moh_lightning.runs import check_resumable, latest_checkpoint
+from moh_lightning.runs import check_resumable, latest_loadable_checkpoint
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -220,8 +220,8 @@ class MoHLightningCLI(LightningCLI):
             self._resume_last(config, init_args)
 
     def _resume_last(self, config, logger_args) -> None:
-        """Points ``ckpt_path`` and the logger's version at the newest checkpoint of this run name, if any."""
-        found = latest_checkpoint(Path(logger_args.save_dir) / logger_args.name)
+        """Points ``ckpt_path`` and the logger's version at this run name's newest checkpoint that loads, if any."""
+        found = latest_loadable_checkpoint(Path(logger_args.save_dir) / logger_args.name)
         if found is None:
             config.ckpt_path = None  # the first start of a run that will be resumed later: start fresh
             return

@@ -2,13 +2,21 @@
 
 ``--ckpt_path last`` continues the newest checkpoint of one run name, in that run's own folder, and only when the
 run's model and data settings are the ones saved with it: a run never continues another experiment's weights, and
-no run writes into another run's folder.
+no run writes into another run's folder. A checkpoint that does not load (a truncated copy, a disk fault) is moved
+aside and the next newest is used (``latest_loadable_checkpoint``).
 """
 from __future__ import annotations
 
+import os
+import time
+import warnings
+import zipfile
+from collections.abc import Collection
 from pathlib import Path
 
+import torch
 import yaml
+from lightning.pytorch.utilities import rank_zero_only
 
 # The saved settings that must match for a run to continue from a checkpoint: what the weights and the data are.
 RESUME_KEYS = ("model", "data")
@@ -20,22 +28,100 @@ def versions(run_root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("version_")))
 
 
-def latest_checkpoint(run_root: Path) -> tuple[Path, Path] | None:
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # moved aside by another process meanwhile
+        return None
+
+
+def latest_checkpoint(run_root: Path, skip: Collection[Path] = ()) -> tuple[Path, Path] | None:
     """The version folder holding the newest checkpoint of a run name, and that checkpoint; None if there is none.
 
     ``last.ckpt`` is written with every periodic checkpoint and at the end of fit, so it is the newest state of its
-    folder; without it the newest by modification time is taken.
+    folder; without it the newest by modification time is taken. Checkpoints in ``skip`` are passed over.
     """
     newest = None
     for version in versions(run_root):
-        checkpoints = sorted((version / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not checkpoints:
+        found = [(mtime, p) for p in (version / "checkpoints").glob("*.ckpt")
+                 if p not in skip and (mtime := _mtime(p)) is not None]
+        if not found:
             continue
-        last = version / "checkpoints" / "last.ckpt"
-        chosen = last if last.is_file() else checkpoints[-1]
-        if newest is None or chosen.stat().st_mtime >= newest[1].stat().st_mtime:
-            newest = (version, chosen)
-    return newest
+        last = [(mtime, p) for mtime, p in found if p.name == "last.ckpt"]
+        chosen = last[0] if last else max(found, key=lambda item: item[0])
+        if newest is None or chosen[0] >= newest[0]:
+            newest = (chosen[0], version, chosen[1])
+    return None if newest is None else newest[1:]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` does not load as a Lightning checkpoint, or None when it does.
+
+    torch writes checkpoints as zip archives whose central directory comes last, so a copy cut short anywhere is no
+    longer a zip archive. A complete archive is loaded memory-mapped: its pickle is read and checked, the tensor
+    bytes are not, so even a large checkpoint is checked in a moment and without its size in memory. (Lightning
+    loads it once more to resume.) ``weights_only=False`` because this asks whether the file is intact, not whether
+    its contents are allowed: a file Lightning refuses for its contents must not be moved aside as damaged.
+    """
+    if path.is_dir():  # a sharded (distributed) checkpoint: Lightning's strategy checks it
+        return None
+    zipped = zipfile.is_zipfile(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)
+    except Exception as error:  # the zip reader, the unpickler and a truncated legacy file raise different types
+        first = (str(error).strip().splitlines() or [""])[0].split(". ")[0]
+        first = "".join(c if c.isprintable() else "?" for c in first)[:160]
+        return f"{type(error).__name__}: {first}" if first else type(error).__name__
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        return "not a Lightning checkpoint (no state_dict in it)"
+    return None
+
+
+def _move_aside(path: Path) -> Path | None:
+    """Renames ``path`` to ``<name>.corrupt-<time>`` beside it (no longer ``*.ckpt``, so no lookup sees it)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    counter = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{counter}")
+        counter += 1
+    try:
+        os.replace(path, target)
+    except OSError:  # gone already (another process moved it) or the folder is read-only
+        return None
+    return target
+
+
+def latest_loadable_checkpoint(run_root: Path) -> tuple[Path, Path] | None:
+    """``latest_checkpoint``, passing over checkpoints that do not load; None if the run name has none.
+
+    Each checkpoint newer than the one returned that fails to load is moved aside (renamed, never deleted) with a
+    warning naming it and what failed, so the resumed run's own saves do not overwrite it and no later lookup picks
+    it again. Under DDP every process runs this on its own, before the processes connect: all of them pass over the
+    same files and so return the same checkpoint, and only global rank 0 (Lightning's rank rule on the environment)
+    renames. When no checkpoint loads, the run stops with one line listing them and nothing is renamed, so a retried
+    job keeps stopping there instead of silently starting afresh.
+    """
+    failed: list[tuple[Path, str]] = []
+    while (found := latest_checkpoint(run_root, skip=[path for path, _ in failed])) is not None:
+        problem = checkpoint_problem(found[1])
+        if problem is None:
+            break
+        failed.append((found[1], problem))
+    if found is None:
+        if not failed:
+            return None
+        listed = "; ".join(f"{path} ({problem})" for path, problem in failed)
+        raise SystemExit(f"moh: --ckpt_path last: none of the {len(failed)} checkpoints of {run_root} loads: {listed}. "
+                         f"They are left in place: restore a good copy, or start afresh without --ckpt_path last "
+                         f"or under another name (--trainer.logger.init_args.name NEW_NAME).")
+    if rank_zero_only.rank == 0:
+        for path, problem in failed:
+            moved = _move_aside(path)
+            where = f"moved it aside to {moved.name}" if moved is not None else "could not move it aside"
+            warnings.warn(f"Checkpoint {path} does not load ({problem}); {where} and resuming from the next newest, "
+                          f"{found[1]}.", stacklevel=2)
+    return found
 
 
 def _flatten(value, prefix: str = "") -> dict:
@@ -67,4 +153,5 @@ def check_resumable(version_dir: Path, current: dict) -> None:
                          f"(--trainer.logger.init_args.name NEW_NAME) or leave out --ckpt_path last.")
 
 
-__all__ = ["RESUME_KEYS", "check_resumable", "differing_settings", "latest_checkpoint", "versions"]
+__all__ = ["RESUME_KEYS", "check_resumable", "checkpoint_problem", "differing_settings", "latest_checkpoint",
+           "latest_loadable_checkpoint", "versions"]
