@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the previous checkpoint or the new one, never a half-written file. Lightning's default stages the file in
     the system temp folder and moves it, which is a plain copy (not atomic) when the run folder is on another
     filesystem, as on clusters. Remote paths (``s3://``, ...) keep Lightning's behaviour.
+
+    A write that runs out of space (``ENOSPC``, or ``EDQUOT`` for a quota) removes its temporary file and stops the
+    run in one line naming the folder, the checkpoint's size and the free space there; the previous checkpoint is
+    untouched, since it is only replaced once the new one is completely written.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
@@ -39,11 +45,47 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(file.fileno())
             os.chmod(temporary, 0o666 & ~_umask())  # mkstemp creates 0600; give the file normal permissions
             os.replace(temporary, path)
-        except BaseException:
+        except BaseException as error:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
+            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SystemExit(_no_space_message(path, checkpoint, error)) from error
             raise
         _fsync_dir(path.parent)
+
+
+def _no_space_message(path: Path, checkpoint: dict[str, Any], error: OSError) -> str:
+    needed = max(_tensor_bytes(checkpoint), path.stat().st_size if path.is_file() else 0)
+    free = shutil.disk_usage(path.parent).free
+    short = f"free at least {_size(needed - free)} more there" if needed > free else "free space there"
+    return (f"moh: cannot write checkpoint {path.name} in {path.parent}: {error.strerror or error} (it takes about "
+            f"{_size(needed)}, {_size(free)} is free there). The previous checkpoints are intact: {short}, or write "
+            f"them elsewhere (--checkpoint.dirpath), and resume with --ckpt_path last.")
+
+
+def _tensor_bytes(value: Any, seen: set | None = None) -> int:
+    """The bytes of the tensors in a checkpoint (each storage once): what ``torch.save`` writes, to a few kB."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item, seen) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item, seen) for item in value)
+    return 0
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if num_bytes < 1000:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1000
+    return f"{num_bytes:.1f} TB"
 
 
 def _umask() -> int:
