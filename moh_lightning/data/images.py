@@ -6,6 +6,8 @@ split once with a fixed seed into train and validation.
 from __future__ import annotations
 
 import logging
+import os
+import random
 from pathlib import Path
 from typing import Literal
 
@@ -14,8 +16,9 @@ import torch
 from lightning.pytorch import LightningDataModule
 from PIL import Image
 from timm.data import create_transform
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchvision.datasets import ImageFolder
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
@@ -25,7 +28,62 @@ CorruptPolicy = Literal["skip", "error"]
 log = logging.getLogger(__name__)
 
 
-class CheckedImageFolder(ImageFolder):
+class WorkerRandomState:
+    """Mixin for a map-style dataset whose items draw random numbers (augmentations) in data-loader workers.
+
+    A worker draws from its own python, numpy and torch random streams, seeded once when it starts and continued
+    across epochs (the loaders keep their workers). Resuming a run mid-epoch must put each worker back at its point
+    in those streams, or it draws other augmentations than the uninterrupted run. torchdata's ``StatefulDataLoader``
+    asks a dataset that has ``state_dict`` / ``load_state_dict`` for its state inside each worker, right after the
+    worker fetched a batch (every ``snapshot_every_n_steps=1`` batch), keeps the snapshot that belongs to the last
+    batch handed to the training loop, and gives it back to the same worker on resume. So the state here is the
+    worker's random states: saved after the worker's last consumed batch, the batches it had prefetched beyond that
+    are drawn again from there, in the same order (the loader also restores which worker serves the next batch).
+
+    Seeding per sample from (epoch, index) would also resume exactly, but it needs the epoch inside the workers and
+    re-seeds three generators per image; snapshots use the loader's own mechanism and leave the streams (and so the
+    augmentations of existing runs) as they were. The state holds plain lists and a uint8 tensor, which Lightning's
+    ``weights_only`` checkpoint loading accepts. In the main process (``num_workers=0``) the state is empty: there the
+    random streams are the trainer's, saved by ``ExactResumeCallback``.
+    """
+
+    def state_dict(self) -> dict:
+        if get_worker_info() is None:
+            return {}
+        name, keys, position, has_gauss, gauss = np.random.get_state()
+        return {"python": random.getstate(), "numpy": [name, keys.tolist(), position, has_gauss, gauss],
+                "torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state or get_worker_info() is None:
+            return
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        name, keys, position, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, gauss))
+        torch.set_rng_state(state["torch"])
+
+
+def train_loader(dataset: Dataset, batch_size: int, num_workers: int, trainer=None, **kwargs) -> StatefulDataLoader:
+    """The shuffled training loader, stateful so that checkpoints record the position in the epoch.
+
+    Under DDP (``trainer.world_size > 1``) each process gets torchdata's ``StatefulDistributedSampler``, whose order
+    is a function of the seed (``seed_everything``'s, as Lightning's own distributed sampler) and the epoch, and whose
+    state is the number of indices served. Left to Lightning, a stateful loader's sampler is wrapped in a
+    ``DistributedSamplerWrapper`` that draws a new permutation from the global random stream when an epoch's iterator
+    is created, and holds no state: a run resumed mid-epoch would serve another permutation from there.
+    Workers are kept across epochs, so their random streams continue as they would in one process.
+    """
+    common = dict(batch_size=batch_size, drop_last=True, num_workers=num_workers,
+                  persistent_workers=num_workers > 0, **kwargs)
+    if trainer is not None and trainer.world_size > 1:
+        sampler = StatefulDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                             shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return StatefulDataLoader(dataset, sampler=sampler, **common)
+    return StatefulDataLoader(dataset, shuffle=True, **common)
+
+
+class CheckedImageFolder(WorkerRandomState, ImageFolder):
     """``ImageFolder`` whose unreadable or corrupt files stop the run with the file's name, or are skipped.
 
     With ``on_corrupt="skip"`` a bad file is replaced by the next readable one, so batches keep their size and
@@ -109,10 +167,8 @@ class ImageFolderDataModule(LightningDataModule):
         return sum(1 for entry in self._split_dir("train").iterdir() if entry.is_dir())
 
     def train_dataloader(self) -> StatefulDataLoader:
-        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run continues mid-epoch.
-        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                                  num_workers=self.hparams.num_workers, pin_memory=True,
-                                  persistent_workers=self.hparams.num_workers > 0)
+        return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer,
+                            pin_memory=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
@@ -122,7 +178,7 @@ class ImageFolderDataModule(LightningDataModule):
         return self.val_dataloader()
 
 
-class ArrayImageDataset(Dataset):
+class ArrayImageDataset(WorkerRandomState, Dataset):
     """Grayscale images held as a uint8 array (N, H, W) with integer labels, served through a transform."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
@@ -192,10 +248,7 @@ class MNISTDataModule(LightningDataModule):
         self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf)
 
     def train_dataloader(self) -> StatefulDataLoader:
-        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run continues mid-epoch.
-        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                                  num_workers=self.hparams.num_workers,
-                                  persistent_workers=self.hparams.num_workers > 0)
+        return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers,

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from moh_lightning.data.images import load_mnist_5k
+from moh_lightning.data.images import WorkerRandomState, load_mnist_5k
 
 SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215
@@ -34,8 +34,12 @@ def load_vae(name: str, key: str = "data.init_args.vae"):
             f"holding an AutoencoderKL (config.json + weights, e.g. saved with save_pretrained).") from None
 
 
-class LatentDataset(Dataset):
-    """Cached latents (N, 2, C, h, w): index 0 the image, 1 its horizontal flip; one of them drawn per item."""
+class LatentDataset(WorkerRandomState, Dataset):
+    """Cached latents (N, 2, C, h, w): index 0 the image, 1 its horizontal flip; one of them drawn per item.
+
+    The flip is drawn in the loader worker; ``WorkerRandomState`` saves the workers' random states with the loader's
+    state, so a run resumed mid-epoch draws the same flips.
+    """
 
     def __init__(self, latents: np.ndarray, labels: np.ndarray, flip: bool) -> None:
         self.latents = latents
