@@ -8,6 +8,8 @@ pyproject.toml caps Lightning at the versions that test has passed on.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -79,3 +81,13 @@ def save_topk_and_last(callback: ModelCheckpoint, trainer: Trainer) -> None:
 def save_last(callback: ModelCheckpoint, trainer: Trainer) -> None:
     """Writes ``last.ckpt`` now, as ModelCheckpoint does with ``save_last=True``."""
     callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def train_loader_states(checkpoint: dict[str, Any]) -> list | None:
+    """The train loaders' states in a checkpoint dict (``_FitLoop.on_save_checkpoint``'s ``combined_loader``)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+
+
+def set_train_loader_states(checkpoint: dict[str, Any], states: list) -> None:
+    """Replaces the train loaders' states in a loaded checkpoint dict, before Lightning restores the loops from it."""
+    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+import signal
+import sys
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from moh_lightning.callbacks import lightning_compat as compat
 
@@ -18,7 +21,17 @@ class StepCheckpoint(ModelCheckpoint):
 
     ``last.ckpt`` is rewritten at every save and at the end of fit. ``dirpath`` defaults to the run folder's
     ``checkpoints/`` (``runs/<name>/version_N/checkpoints``), where ``moh fit --ckpt_path last`` looks for it.
+
+    SIGTERM (cloud preemption, ``kill``, a container or job stop): Lightning's signal handler only records it
+    (``trainer.received_sigterm``) and its loops raise ``SIGTERMException`` after the current batch. This callback
+    writes ``last.ckpt`` at the end of that batch (after every other callback's ``on_train_batch_end``, EMA
+    included, as Lightning runs checkpoint callbacks last), and turns the exit into a non-zero one (``EXIT_CODE``,
+    128 + SIGTERM as a shell reports a process the signal ended) with one line naming the step and the file.
+    ``--ckpt_path last`` then continues exactly; the validation due after that step, if any, is not run (Lightning
+    cuts it short on SIGTERM).
     """
+
+    EXIT_CODE = 128 + signal.SIGTERM
 
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int = 1000, keep: int = 3) -> None:
         if every_n_train_steps < 1 or keep < 1:
@@ -29,21 +42,23 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if _sigterm_received(trainer):
+            self._save_if_due(trainer, stopping=True)
         # When a validation follows this batch, save after it instead: resuming from a checkpoint written before
         # it, Lightning skips that validation, so a run killed during it would never log it.
-        if not compat.validation_follows_batch(trainer):
+        elif not compat.validation_follows_batch(trainer):
             self._save_if_due(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self._save_if_due(trainer)
 
-    def _save_if_due(self, trainer: Trainer) -> None:
-        if compat.skips_saving(self, trainer):
-            return
+    def _save_if_due(self, trainer: Trainer, stopping: bool = False) -> None:
+        if compat.skips_saving(self, trainer) or stopping and compat.accumulates_gradients(trainer):
+            return  # (mid-accumulation a checkpoint would lose the gradients accumulated so far)
         if trainer.global_step % compat.every_n_train_steps(self) == 0:
             compat.save_topk_and_last(self, trainer)
-        elif _stops_after_this_batch(trainer):
+        elif stopping or _stops_after_this_batch(trainer):
             # The final `last` is written here rather than in on_train_end: by then EMAWeightAveraging has copied
             # the average over the training weights, and a run resumed from it (with a larger max_steps) would
             # train on from the average instead of the weights.
@@ -55,6 +70,37 @@ class StepCheckpoint(ModelCheckpoint):
         # which would lose the steps after the last multiple of every_n_train_steps.
         if compat.last_saved_step(self) != trainer.global_step and not trainer.fast_dev_run:
             compat.save_last(self, trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        if not isinstance(exception, SIGTERMException):
+            return
+        # The signal came after this step's on_train_batch_end (during its validation, say): save now, on one
+        # process. Under DDP the ranks may be at different points here, and saving gathers from all of them.
+        if trainer.world_size == 1 and not compat.skips_saving(self, trainer) \
+                and not compat.accumulates_gradients(trainer):
+            compat.save_last(self, trainer)
+        saved = compat.last_saved_step(self)
+        if saved == trainer.global_step and self.last_model_path:
+            message = (f"moh: stopped by SIGTERM after step {saved}; saved {self.last_model_path}. Continue with "
+                       f"the same command and --ckpt_path last.")
+        else:
+            newest = f"{self.last_model_path} (step {saved})" if self.last_model_path else "none"
+            message = (f"moh: stopped by SIGTERM at step {trainer.global_step} without a new checkpoint; the newest "
+                       f"is {newest}. Continue with the same command and --ckpt_path last.")
+        if trainer.is_global_zero:
+            print(message, file=sys.stderr, flush=True)
+        # Lightning re-raises this very exception after the callbacks' on_exception: a SystemExit whose code is
+        # None, which would end the process with 0 as if training had finished.
+        exception.code = self.EXIT_CODE
+
+
+def _sigterm_received(trainer: Trainer) -> bool:
+    """Whether any rank received SIGTERM: all ranks then save at this same step (saving gathers from all)."""
+    received = trainer.received_sigterm
+    if trainer.world_size > 1:
+        received = trainer.strategy.reduce_boolean_decision(received, all=False)
+    return received
 
 
 def _stops_after_this_batch(trainer: Trainer) -> bool:
@@ -75,9 +121,14 @@ class ExactResumeCallback(Callback):
     ``on_train_start``), then restores the random states: after the loaders have drawn their seeds and right
     before the first batch is drawn, the point in the random streams at which the checkpoint was written.
     Needs a stateful train loader (torchdata's ``StatefulDataLoader``) and as many ranks as when saved.
+
+    Under DDP Lightning writes rank 0's checkpoint dict only, so its train-loader state (the position, and with
+    loader workers each worker's random states) would be every rank's on resume. Each rank's loader state is
+    therefore gathered into the checkpoint too, and each rank resumes from its own.
     """
 
     KEY = "rng_states"
+    LOADERS_KEY = "train_loader_states_per_rank"
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,11 +136,16 @@ class ExactResumeCallback(Callback):
         self._before_validation: dict[str, Any] | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        states = [_rng_states()]
-        if trainer.world_size > 1:
-            states = [None] * trainer.world_size
-            torch.distributed.all_gather_object(states, _rng_states())
-        checkpoint[self.KEY] = states
+        # Saved during a validation (a stop signal there): training continues from the states before it, as
+        # on_validation_end would have restored them.
+        own = self._before_validation if self._before_validation is not None else _rng_states()
+        if trainer.world_size == 1:
+            checkpoint[self.KEY] = [own]
+            return
+        gathered = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, (own, compat.train_loader_states(checkpoint)))
+        checkpoint[self.KEY] = [states for states, _ in gathered]
+        checkpoint[self.LOADERS_KEY] = [loaders for _, loaders in gathered]
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get(self.KEY)
@@ -99,6 +155,9 @@ class ExactResumeCallback(Callback):
             raise ValueError(f"The checkpoint holds random states of {len(states)} processes but this run has "
                              f"{trainer.world_size}: resume with the same number of devices and nodes.")
         self._to_restore = states[trainer.global_rank]
+        loaders = checkpoint.get(self.LOADERS_KEY)
+        if loaders is not None and loaders[trainer.global_rank] is not None:
+            compat.set_train_loader_states(checkpoint, loaders[trainer.global_rank])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning applies the loaders' saved positions when it first builds the train loader. A task that
