@@ -84,6 +84,8 @@ class ClassConditionalDiffusion(MoHTask):
         self.noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                                              beta_start=beta_start, beta_end=beta_end, clip_sample=False)
         self.criterion = GaussianDiffusionLoss(self.noise_scheduler)
+        #: The timesteps (B,) drawn for the last training or validation batch, for the head-load views per noise level.
+        self.last_timesteps: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model(x, t, y)
@@ -91,6 +93,7 @@ class ClassConditionalDiffusion(MoHTask):
     def _diffusion_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         x0, y = batch
         t = torch.randint(0, self.criterion.num_timesteps, (x0.shape[0],), device=x0.device)
+        self.last_timesteps = t
         noise = torch.randn_like(x0)
         x_t = self.noise_scheduler.add_noise(x0, noise, t)
         losses = self.criterion(self.model(x_t, t, y), x0, x_t, t, noise)
