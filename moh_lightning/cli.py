@@ -38,6 +38,7 @@ TOOLS: dict[str, str] = {
     "load-authors-llama": "moh_lightning.tools.authors_llama:load_authors_llama_tool",
     "lm-eval": "moh_lightning.tools.lm_eval:lm_eval",
     "sweep": "moh_lightning.sweep:sweep",
+    "head-figures": "moh_lightning.tools.head_figures:head_figures",
 }
 
 _CONFIG_FLAGS = ("--config", "-c")

@@ -1,0 +1,65 @@
+"""``moh head-figures``: the head-load heatmaps of a finished run as paper figures (PDF and PNG), without a checkpoint.
+
+``HeadLoadCallback`` saves the per-layer loads of every validation in the run folder (``head_load/loads.json``, the
+latest; ``head_load/loads_history.jsonl``, the layer loads of each one). This command draws from them:
+
+* ``layers.{pdf,png}``: layers x heads, the share of tokens each head serves, shared heads marked;
+* ``<group>_layer_XX.{pdf,png}`` for every routed layer: the load of each routed head per class / text source / noise
+  level (the paper's Fig. 3, as a heatmap).
+
+    moh head-figures --run runs/vit_tiny_mnist_75/version_0 --out figs/
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from moh_lightning.callbacks.head_load_plots import HISTORY_FILE, LOADS_FILE, HeadLoadSnapshot, snapshot_figures
+
+
+def _find_loads(run: Path) -> Path:
+    for candidate in (run / "head_load" / LOADS_FILE, run / LOADS_FILE):
+        if candidate.is_file():
+            return candidate
+    versions = sorted(run.glob("version_*/head_load/" + LOADS_FILE),
+                      key=lambda path: int(path.parent.parent.name.removeprefix("version_") or 0))
+    if versions:
+        return versions[-1]
+    raise SystemExit(f"head-figures: --run {run}: no head_load/{LOADS_FILE} there; point it at a run folder "
+                     "(runs/<name>/version_N) whose training ran at least one validation with HeadLoadCallback.")
+
+
+def head_figures(run: str, out: str = "figs", formats: list[str] | None = None, max_groups: int = 20,
+                 layers: list[int] | None = None, dpi: int = 300) -> list[str]:
+    """Renders the head-load heatmaps of a run folder as PDF / PNG figures.
+
+    Args:
+        run: Run folder (``runs/<name>/version_N``; ``runs/<name>`` takes its newest version), or a ``loads.json``.
+        out: Folder for the figures (created).
+        formats: File formats to write; PDF (vector) and PNG by default.
+        max_groups: Groups (classes, sources) per group heatmap, the first ones by id.
+        layers: Only these layers' group heatmaps (by layer number); all routed layers when None.
+        dpi: Resolution of raster formats.
+
+    Returns:
+        The paths written.
+    """
+    path = Path(run)
+    loads = path if path.is_file() else _find_loads(path)
+    snapshot = HeadLoadSnapshot.load(loads)
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, figure in snapshot_figures(snapshot, max_groups).items():
+        if layers is not None and stem != "layers" and int(stem.rsplit("_", 1)[-1]) not in layers:
+            continue
+        for extension in formats or ["pdf", "png"]:
+            file = target / f"{stem}.{extension.lstrip('.')}"
+            figure.savefig(file, dpi=dpi, bbox_inches="tight", pad_inches=0.03)
+            written.append(str(file))
+    history = loads.parent / HISTORY_FILE
+    print(f"head-figures: {len(written)} files in {target} from {loads} (step {snapshot.step}, {snapshot.split}"
+          + (f"; earlier validations in {history}" if history.is_file() else "") + ")")
+    return written
+
+
+__all__ = ["head_figures"]
