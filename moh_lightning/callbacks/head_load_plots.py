@@ -269,8 +269,8 @@ def card_image(grid: Grid) -> np.ndarray:
     height = top + rows * cell_h + 40 + 32
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
-    # Text without anti-aliasing: the image keeps a few dozen colours and its PNG a quarter of the size (~15 KiB,
-    # one per logging window), and the browser smooths it when it scales the card down.
+    # The large cell numbers are drawn without anti-aliasing (a card is logged every window: this halves its PNG);
+    # the smaller labels keep it, or a browser's downscaling makes "h2" look like "F2".
     draw.fontmode = "1"
     colours = _cell_colours(grid)
     cell_font = _font(text_size) if text_size >= 9 else None
@@ -284,6 +284,7 @@ def card_image(grid: Grid) -> np.ndarray:
                 ink = (70, 70, 70) if grid.grey[r, c] else _ink(fill)
                 draw.text((x0 + (cell_w - gap) / 2, y0 + (cell_h - gap) / 2), grid.text[r][c], fill=ink,
                           font=cell_font, anchor="mm")
+    draw.fontmode = "L"
     for r, text in enumerate(grid.row_labels):
         draw.text((left - 10, top + r * cell_h + (cell_h - gap) / 2), text, fill="black", font=row_font, anchor="rm")
     every = max(1, math.ceil(cols * col_font.size * 2.2 / max(grid_width, 1)))
