@@ -5,7 +5,10 @@ Every source is tokenised once into flat ``train.bin`` / ``val.bin`` token array
 local text file or folder, a ``datasets`` dataset (hub id or local folder / loader, streaming), or
 ``python-stdlib``: the source files of the running interpreter's standard library, the embedded corpus
 that needs no download. Documents (files or rows) go to train or validation by a hash of their name, so
-the split is stable across runs and machines.
+the split is stable across runs and machines; or a source holds out the last ``val_fraction`` of its tokens
+as one contiguous block (``split_by: tokens``), so a single file trains as it is. The default (``auto``)
+splits by documents and falls back to tokens when that would leave the training or the validation side
+without a document (one file, a handful of rows).
 
 Tokeniser: any Hugging Face tokenizer by name or path, or ``byte``: transformers' ``ByT5Tokenizer`` (UTF-8
 bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just ``byte + 3``.
@@ -20,6 +23,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -31,6 +35,7 @@ BYTE_TOKENIZER = "byte"
 STDLIB = "python-stdlib"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
 _FORMAT_VERSION = 1
+SPLIT_RULES = ("auto", "documents", "tokens")
 
 
 @dataclass
@@ -40,7 +45,10 @@ class TextSource:
     Give ``path`` (a text file, a folder searched recursively for ``pattern``, or ``python-stdlib``) or
     ``dataset`` (a ``datasets.load_dataset`` name: hub id, local folder, or loader such as ``json`` with
     ``data_files``). ``weight`` is the source's sampling ratio (normalised over the mixture);
-    ``val_fraction`` of its documents are held out for validation.
+    ``val_fraction`` of its documents are held out for validation (``split_by: documents``), or the last
+    ``val_fraction`` of its tokens as one contiguous block (``split_by: tokens``), so no training window
+    overlaps a validation one. ``auto`` (the default) splits by documents unless that leaves one side without
+    any document, as for a single text file; then by tokens.
     """
 
     path: str | None = None
@@ -54,8 +62,12 @@ class TextSource:
     max_documents: int | None = None
     weight: float = 1.0
     val_fraction: float = 0.02
+    split_by: Literal["auto", "documents", "tokens"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.split_by not in SPLIT_RULES:
+            raise ValueError(f"data source {self.path or self.dataset}: split_by={self.split_by!r}; choose one "
+                             f"of {', '.join(SPLIT_RULES)}.")
         if (self.path is None) == (self.dataset is None):
             raise ValueError(f"data source {self}: give exactly one of path (file, folder or {STDLIB!r}) "
                              f"or dataset (a datasets.load_dataset name).")
@@ -72,6 +84,8 @@ class TextSource:
     def cache_key(self, tokenizer: str) -> str:
         """Names the token arrays: everything that changes them, nothing (like weight) that does not."""
         spec = {k: v for k, v in asdict(self).items() if k != "weight"}
+        if spec["split_by"] == "auto":  # the key sources had before split_by existed
+            del spec["split_by"]
         blob = json.dumps({"source": spec, "tokenizer": tokenizer, "version": _FORMAT_VERSION,
                            "python": sys.version_info[:2] if self.path == STDLIB else None}, sort_keys=True)
         name = Path(self.label).name.replace("/", "_") or "source"
@@ -170,9 +184,10 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, ke
     dtype = token_dtype(len(tokenizer))
     counts = {"train": 0, "val": 0}
     documents = {"train": 0, "val": 0}
+    by_documents = source.split_by != "tokens"
     with open(folder / "train.bin.tmp", "wb") as train, open(folder / "val.bin.tmp", "wb") as val:
         for name, text in source.documents():
-            split = "val" if is_validation(name, source.val_fraction) else "train"
+            split = "val" if by_documents and is_validation(name, source.val_fraction) else "train"
             ids = encode(tokenizer, tokenizer_name, text).astype(dtype)
             (val if split == "val" else train).write(ids.tobytes())
             counts[split] += len(ids)
@@ -180,10 +195,21 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, ke
     if sum(counts.values()) == sum(documents.values()):  # nothing but the EOS after each document
         found = f"its {sum(documents.values())} documents are empty" if any(documents.values()) else "no documents"
         raise ValueError(f"data source {source.label!r}: {found}; give it some text or remove it from the sources.")
+    split_by = "documents"
+    one_side_empty = source.val_fraction > 0 and 0 in documents.values()
+    if source.split_by == "tokens" or (source.split_by == "auto" and one_side_empty):
+        # Every token is in one of the two files, in document order; hold out the last val_fraction of them.
+        split_by = "tokens"
+        full = "train" if documents["train"] else "val"
+        tokens = np.fromfile(folder / f"{full}.bin.tmp", dtype=dtype)
+        num_val = int(np.ceil(len(tokens) * source.val_fraction))
+        tokens[:len(tokens) - num_val].tofile(folder / "train.bin.tmp")
+        tokens[len(tokens) - num_val:].tofile(folder / "val.bin.tmp")
+        counts = {"train": len(tokens) - num_val, "val": num_val}
     for split in ("train", "val"):
         (folder / f"{split}.bin.tmp").rename(folder / f"{split}.bin")
-    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "tokenizer": tokenizer_name,
-            "vocab_size": len(tokenizer), "source": asdict(source)}
+    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "split_by": split_by,
+            "tokenizer": tokenizer_name, "vocab_size": len(tokenizer), "source": asdict(source)}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
     return folder
 
@@ -192,6 +218,9 @@ def _split(folder: Path) -> str:
     """How a source's documents were split, for error messages."""
     meta = json.loads((folder / "meta.json").read_text())
     documents, fraction = meta["documents"], meta["source"]["val_fraction"]
+    if meta.get("split_by") == "tokens":
+        return (f" (split by tokens: {meta['tokens']['train']} train, {meta['tokens']['val']} validation at "
+                f"val_fraction={fraction})")
     return f" (documents: {documents['train']} train, {documents['val']} validation at val_fraction={fraction})"
 
 
