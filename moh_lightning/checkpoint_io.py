@@ -24,9 +24,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the system temp folder and moves it, which is a plain copy (not atomic) when the run folder is on another
     filesystem, as on clusters. Remote paths (``s3://``, ...) keep Lightning's behaviour.
 
-    A write that runs out of space (``ENOSPC``, or ``EDQUOT`` for a quota) removes its temporary file and stops the
-    run in one line naming the folder, the checkpoint's size and the free space there; the previous checkpoint is
-    untouched, since it is only replaced once the new one is completely written.
+    A write that runs out of space removes its temporary file and stops the run in one line naming the folder, the
+    checkpoint's size and the free space there; the previous checkpoint is untouched, since it is only replaced once
+    the new one is completely written. Out of space means an ``ENOSPC`` / ``EDQUOT`` (quota) error, or any write error
+    after which the folder has less room than the checkpoint takes: torch's zip writer reports a full disk as
+    ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...``, not as ``OSError``.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
@@ -48,19 +50,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException as error:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
-            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise SystemExit(_no_space_message(path, checkpoint, error)) from error
+            message = _no_space_message(path, checkpoint, error) if isinstance(error, Exception) else None
+            if message is not None:
+                raise SystemExit(message) from error
             raise
         _fsync_dir(path.parent)
 
 
-def _no_space_message(path: Path, checkpoint: dict[str, Any], error: OSError) -> str:
+def _no_space_message(path: Path, checkpoint: dict[str, Any], error: Exception) -> str | None:
+    """The one-line stop for a write that failed for want of space, or None when space was not the problem."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
     needed = max(_tensor_bytes(checkpoint), path.stat().st_size if path.is_file() else 0)
     free = shutil.disk_usage(path.parent).free
+    if code is None and free >= needed:
+        return None
+    what = "disk quota exceeded" if code == errno.EDQUOT else "no space left on device"
     short = f"free at least {_size(needed - free)} more there" if needed > free else "free space there"
-    return (f"moh: cannot write checkpoint {path.name} in {path.parent}: {error.strerror or error} (it takes about "
-            f"{_size(needed)}, {_size(free)} is free there). The previous checkpoints are intact: {short}, or write "
-            f"them elsewhere (--checkpoint.dirpath), and resume with --ckpt_path last.")
+    return (f"moh: {what} for checkpoint {path.name} in {path.parent}: it takes about {_size(needed)}, "
+            f"{_size(free)} is free there. The previous checkpoints are intact: {short} or move the run folder to "
+            f"a larger disk (--trainer.logger.init_args.save_dir), then resume with --ckpt_path last.")
 
 
 def _tensor_bytes(value: Any, seen: set | None = None) -> int:
