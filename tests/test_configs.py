@@ -12,9 +12,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from resolved_settings import settings
 
 from moh_lightning.cli import config_dir, main, shipped_configs
-from resolved_settings import settings
 
 MAIN = json.loads((Path(__file__).parent / "data" / "main_settings.json").read_text())
 

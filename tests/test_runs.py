@@ -34,7 +34,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 def test_a_run_of_the_same_config_never_resumes_another_runs_weights(run_dir):
-    """The collision of the house issue: two runs of one config, other data and name, the second with --ckpt_path last."""
+    """The house issue's collision: two runs of one config, other data and name, the second with --ckpt_path last."""
     mine, other = _corpus(run_dir / "my_corpus", 0), _corpus(run_dir / "other_corpus", 1)
     _fit(mine, "--trainer.logger.init_args.name", "my_run")
     first = run_dir / "runs" / "my_run"
