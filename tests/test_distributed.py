@@ -77,8 +77,10 @@ def test_two_process_ddp_matches_one_process_loss_head_load_and_weights(tmp_path
     ddp_loss = _column(ddp_rows, "train/load_balance_loss")
     assert len(single_loss) == len(ddp_loss) == STEPS
     assert ddp_loss == pytest.approx(single_loss, rel=1e-5)
-    for key in ("load_entropy", "max_min_load_ratio", "heads_under_low_load"):
-        single, ddp = _column(single_rows, f"head_load/layer_00/{key}"), _column(ddp_rows, f"head_load/layer_00/{key}")
+    keys = [f"head_load_per_head/layer_00/head_{h:02d}" for h in range(2, 8)] + [
+        f"head_load_balance/layer_00/{name}" for name in ("busiest_head_vs_balanced", "idlest_head_vs_balanced")]
+    for key in keys:
+        single, ddp = _column(single_rows, key), _column(ddp_rows, key)
         assert len(single) == STEPS and ddp == pytest.approx(single, rel=1e-5)
     for name, value in single_state.items():
         torch.testing.assert_close(ddp_state[name], value, rtol=1e-5, atol=1e-6)
