@@ -47,7 +47,9 @@ _CONFIG_FLAGS = ("--config", "-c")
 TRAINER_DEFAULTS = {
     "plugins": [{"class_path": "moh_lightning.checkpoint_io.AtomicCheckpointIO"}],
     "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-               "init_args": {"save_dir": "runs", "name": None}},
+               # The head-load callback writes the HParams record with the run's real metrics; Lightning's
+               # placeholder hp_metric (-1) would only add an empty chart.
+               "init_args": {"save_dir": "runs", "name": None, "default_hp_metric": False}},
 }
 
 
