@@ -38,14 +38,15 @@ def test_split_rules(tmp_path):
         (folder / f"{i}.txt").write_text(f"document {i} " * 20)
     by_docs = tokenize_source(TextSource(path=str(folder), val_fraction=0.2), "byte", tmp_path / "c")
     assert json.loads((by_docs / "meta.json").read_text())["split_by"] == "documents"
-    by_tokens = tokenize_source(TextSource(path=str(folder), val_fraction=0.2, split_by="tokens"), "byte",
-                                tmp_path / "c")
+    by_tokens = tokenize_source(TextSource(path=str(folder), val_fraction=0.2), "byte", tmp_path / "c",
+                                split_by="tokens")
     assert by_tokens != by_docs
     train, meta = _tokens(by_tokens, "train")
     val, _ = _tokens(by_tokens, "val")
     assert meta["split_by"] == "tokens" and abs(len(val) / (len(train) + len(val)) - 0.2) < 0.01
     with pytest.raises(ValueError, match="split_by"):
-        TextSource(path=str(folder), split_by="lines")
+        TextDataModule(split_by="lines")
+    assert "split_by" not in TextDataModule().hparams and TextDataModule(split_by="tokens").hparams.split_by
 
 
 def test_hugging_face_tokenizer_splits_by_tokens(tmp_path):

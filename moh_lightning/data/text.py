@@ -6,9 +6,9 @@ local text file or folder, a ``datasets`` dataset (hub id or local folder / load
 ``python-stdlib``: the source files of the running interpreter's standard library, the embedded corpus
 that needs no download. Documents (files or rows) go to train or validation by a hash of their name, so
 the split is stable across runs and machines; or a source holds out the last ``val_fraction`` of its tokens
-as one contiguous block (``split_by: tokens``), so a single file trains as it is. The default (``auto``)
-splits by documents and falls back to tokens when that would leave the training or the validation side
-without a document (one file, a handful of rows).
+as one contiguous block (the data module's ``split_by: tokens``), so a single file trains as it is. The
+default (``auto``) splits by documents and falls back to tokens when that would leave the training or the
+validation side without a document (one file, a handful of rows).
 
 Tokeniser: any Hugging Face tokenizer by name or path, or ``byte``: transformers' ``ByT5Tokenizer`` (UTF-8
 bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just ``byte + 3``.
@@ -36,6 +36,7 @@ STDLIB = "python-stdlib"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
 _FORMAT_VERSION = 1
 SPLIT_RULES = ("auto", "documents", "tokens")
+SplitRule = Literal["auto", "documents", "tokens"]
 
 
 @dataclass
@@ -45,10 +46,8 @@ class TextSource:
     Give ``path`` (a text file, a folder searched recursively for ``pattern``, or ``python-stdlib``) or
     ``dataset`` (a ``datasets.load_dataset`` name: hub id, local folder, or loader such as ``json`` with
     ``data_files``). ``weight`` is the source's sampling ratio (normalised over the mixture);
-    ``val_fraction`` of its documents are held out for validation (``split_by: documents``), or the last
-    ``val_fraction`` of its tokens as one contiguous block (``split_by: tokens``), so no training window
-    overlaps a validation one. ``auto`` (the default) splits by documents unless that leaves one side without
-    any document, as for a single text file; then by tokens.
+    ``val_fraction`` of its documents are held out for validation, or of its tokens: see ``TextDataModule``'s
+    ``split_by``.
     """
 
     path: str | None = None
@@ -62,12 +61,8 @@ class TextSource:
     max_documents: int | None = None
     weight: float = 1.0
     val_fraction: float = 0.02
-    split_by: Literal["auto", "documents", "tokens"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.split_by not in SPLIT_RULES:
-            raise ValueError(f"data source {self.path or self.dataset}: split_by={self.split_by!r}; choose one "
-                             f"of {', '.join(SPLIT_RULES)}.")
         if (self.path is None) == (self.dataset is None):
             raise ValueError(f"data source {self}: give exactly one of path (file, folder or {STDLIB!r}) "
                              f"or dataset (a datasets.load_dataset name).")
@@ -81,11 +76,11 @@ class TextSource:
     def label(self) -> str:
         return self.path or self.dataset
 
-    def cache_key(self, tokenizer: str) -> str:
+    def cache_key(self, tokenizer: str, split_by: str = "auto") -> str:
         """Names the token arrays: everything that changes them, nothing (like weight) that does not."""
         spec = {k: v for k, v in asdict(self).items() if k != "weight"}
-        if spec["split_by"] == "auto":  # the key sources had before split_by existed
-            del spec["split_by"]
+        if split_by != "auto":  # auto keeps the key sources had before split_by existed
+            spec["split_by"] = split_by
         blob = json.dumps({"source": spec, "tokenizer": tokenizer, "version": _FORMAT_VERSION,
                            "python": sys.version_info[:2] if self.path == STDLIB else None}, sort_keys=True)
         name = Path(self.label).name.replace("/", "_") or "source"
@@ -174,9 +169,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
 
 
-def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, key: str = "tokenizer") -> Path:
-    """Writes ``train.bin`` / ``val.bin`` / ``meta.json`` for ``source`` once; returns its folder."""
-    folder = cache_dir / source.cache_key(tokenizer_name)
+def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, key: str = "tokenizer",
+                    split_by: SplitRule = "auto") -> Path:
+    """Writes ``train.bin`` / ``val.bin`` / ``meta.json`` for ``source`` once; returns its folder.
+
+    ``split_by``: ``documents`` holds out ``val_fraction`` of the documents (by a hash of their names), ``tokens`` the
+    last ``val_fraction`` of the source's tokens as one contiguous block, ``auto`` by documents unless that leaves the
+    training or the validation side without a document (a single file), then by tokens.
+    """
+    if split_by not in SPLIT_RULES:
+        raise ValueError(f"split_by={split_by!r}: choose one of {', '.join(SPLIT_RULES)}.")
+    folder = cache_dir / source.cache_key(tokenizer_name, split_by)
     if (folder / "meta.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -184,7 +187,7 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, ke
     dtype = token_dtype(len(tokenizer))
     counts = {"train": 0, "val": 0}
     documents = {"train": 0, "val": 0}
-    by_documents = source.split_by != "tokens"
+    by_documents = split_by != "tokens"
     with open(folder / "train.bin.tmp", "wb") as train, open(folder / "val.bin.tmp", "wb") as val:
         for name, text in source.documents():
             split = "val" if by_documents and is_validation(name, source.val_fraction) else "train"
@@ -195,11 +198,11 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, ke
     if sum(counts.values()) == sum(documents.values()):  # nothing but the EOS after each document
         found = f"its {sum(documents.values())} documents are empty" if any(documents.values()) else "no documents"
         raise ValueError(f"data source {source.label!r}: {found}; give it some text or remove it from the sources.")
-    split_by = "documents"
+    used = "documents"
     one_side_empty = source.val_fraction > 0 and 0 in documents.values()
-    if source.split_by == "tokens" or (source.split_by == "auto" and one_side_empty):
+    if split_by == "tokens" or (split_by == "auto" and one_side_empty):
         # Every token is in one of the two files, in document order; hold out the last val_fraction of them.
-        split_by = "tokens"
+        used = "tokens"
         full = "train" if documents["train"] else "val"
         tokens = np.fromfile(folder / f"{full}.bin.tmp", dtype=dtype)
         num_val = int(np.ceil(len(tokens) * source.val_fraction))
@@ -208,7 +211,7 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, ke
         counts = {"train": len(tokens) - num_val, "val": num_val}
     for split in ("train", "val"):
         (folder / f"{split}.bin.tmp").rename(folder / f"{split}.bin")
-    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "split_by": split_by,
+    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "split_by": used,
             "tokenizer": tokenizer_name, "vocab_size": len(tokenizer), "source": asdict(source)}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
     return folder
@@ -298,6 +301,10 @@ class TextDataModule(LightningDataModule):
         samples_per_epoch: Training windows per epoch; every source's chunk count summed when None.
         val_samples: Validation windows, spread evenly over the held-out documents; all when None.
         seed: Seed of the mixture draw.
+        split_by: How every source holds out its ``val_fraction``: ``documents`` (whole files or rows, by a hash of
+            their names), ``tokens`` (the last ``val_fraction`` of the source's tokens, one contiguous block, so no
+            window straddles training and validation), or ``auto``: by documents unless that leaves the training or
+            the validation side of a source without a document (a single text file), then by tokens.
     """
 
     def __init__(
@@ -311,9 +318,14 @@ class TextDataModule(LightningDataModule):
             samples_per_epoch: int | None = None,
             val_samples: int | None = 512,
             seed: int = 0,
+            split_by: SplitRule = "auto",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # split_by is recorded once set: configs written before it existed record what they did before
+        self.save_hyperparameters(ignore=["split_by"] if split_by == "auto" else None)
+        if split_by not in SPLIT_RULES:
+            raise ValueError(f"data.init_args.split_by={split_by!r}: choose one of {', '.join(SPLIT_RULES)}.")
+        self.split_by = split_by
         self.sources = list(sources) if sources else [TextSource(path=STDLIB, pattern="*.py")]
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache/moh_lightning/text"
         self.train_set: Dataset | None = None
@@ -328,7 +340,15 @@ class TextDataModule(LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tokenizer)
+        """The tokenizer's size; linked into ``model.init_args.arch.vocab_size`` by ``moh``.
+
+        When the tokenizer cannot be loaded there is no such attribute (``AttributeError``), so the link keeps
+        the config's value and ``prepare_data`` stops with the tokenizer's one-line message.
+        """
+        try:
+            return len(self.tokenizer)
+        except OSError as error:
+            raise AttributeError(f"vocab_size: {error}") from None
 
     @property
     def is_byte_level(self) -> bool:
@@ -337,11 +357,12 @@ class TextDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         for source in self.sources:
-            tokenize_source(source, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer")
+            tokenize_source(source, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer",
+                            split_by=self.split_by)
 
     def setup(self, stage: str) -> None:
-        folders = [tokenize_source(s, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer")
-                   for s in self.sources]
+        folders = [tokenize_source(s, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer",
+                                   split_by=self.split_by) for s in self.sources]
         seq_len = self.hparams.seq_len
         train = [open_tokens(f, "train") for f in folders]
         for source, folder, tokens in zip(self.sources, folders, train):
