@@ -5,6 +5,7 @@ split once with a fixed seed into train and validation.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -83,6 +84,57 @@ def train_loader(dataset: Dataset, batch_size: int, num_workers: int, trainer=No
     return StatefulDataLoader(dataset, shuffle=True, **common)
 
 
+def grayscale_loader(path: str) -> Image.Image:
+    """Opens an image as one channel (PIL mode ``L``); a module function so loader workers can pickle it."""
+    with open(path, "rb") as file:
+        return Image.open(file).convert("L")
+
+
+def _save_switches(module: LightningDataModule, new: dict, defaults: dict) -> None:
+    """``save_hyperparameters`` leaving out the switches added by issue 13 while they are at their defaults.
+
+    A run of a config written before the switches existed records the same hyper-parameters as before (what the
+    shipped configs' snapshot test compares); a switch that is set is recorded. Every switch's value is kept in
+    ``module.switches``, and the run folder's ``config.yaml`` holds them all.
+    """
+    module.switches = dict(new)
+    module.save_hyperparameters(ignore=[k for k, v in new.items() if _plain(v) == _plain(defaults[k])],
+                                frame=inspect.currentframe().f_back)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _normalisation(in_chans: int, mean, std, default_mean, default_std) -> tuple[tuple, tuple]:
+    """``mean`` / ``std`` as given, else the defaults, averaged down to one channel for grayscale input."""
+    if in_chans not in (1, 3):
+        raise ValueError(f"data.init_args.in_chans={in_chans}: choose 1 (grayscale) or 3 (RGB).")
+    mean = tuple(mean) if mean is not None else tuple(default_mean)
+    std = tuple(std) if std is not None else tuple(default_std)
+    if in_chans == 1 and len(mean) == 3 and len(std) == 3 and (mean, std) == (tuple(default_mean),
+                                                                            tuple(default_std)):
+        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
+    if in_chans == 3 and len(mean) == 1 and (mean, std) == (tuple(default_mean), tuple(default_std)):
+        mean, std = mean * 3, std * 3
+    if len(mean) != in_chans or len(std) != in_chans:
+        raise ValueError(f"data.init_args.mean={list(mean)} / std={list(std)}: give one value per channel "
+                         f"(in_chans={in_chans}).")
+    return mean, std
+
+
+def image_transforms(img_size: int, in_chans: int, crop_scale, hflip: float, auto_augment, re_prob: float,
+                     interpolation: str, crop_pct: float, mean, std):
+    """timm's ``create_transform`` for training and for validation, with timm's own argument names."""
+    size = (in_chans, img_size, img_size)
+    train = create_transform(size, is_training=True, scale=tuple(crop_scale), hflip=hflip,
+                             auto_augment=auto_augment, re_prob=re_prob, interpolation=interpolation,
+                             mean=mean, std=std)
+    val = create_transform(size, is_training=False, crop_pct=crop_pct, interpolation=interpolation, mean=mean,
+                           std=std)
+    return train, val
+
+
 class CheckedImageFolder(WorkerRandomState, ImageFolder):
     """``ImageFolder`` whose unreadable or corrupt files stop the run with the file's name, or are skipped.
 
@@ -91,8 +143,12 @@ class CheckedImageFolder(WorkerRandomState, ImageFolder):
     process: every data-loader worker counts and logs the files it met).
     """
 
-    def __init__(self, root: str | Path, transform=None, on_corrupt: CorruptPolicy = "error") -> None:
-        super().__init__(root, transform=transform)
+    def __init__(self, root: str | Path, transform=None, on_corrupt: CorruptPolicy = "error",
+                 grayscale: bool = False) -> None:
+        if grayscale:
+            super().__init__(root, transform=transform, loader=grayscale_loader)
+        else:
+            super().__init__(root, transform=transform)
         self.on_corrupt = on_corrupt
         self.skipped: set[str] = set()
 
@@ -117,9 +173,13 @@ class CheckedImageFolder(WorkerRandomState, ImageFolder):
 class ImageFolderDataModule(LightningDataModule):
     """ImageNet's layout: ``data_dir/train/<class>/*.jpg`` and ``data_dir/val/<class>/*.jpg``.
 
-    Training images get timm's recipe transform (random-resized crop, flip, RandAugment, Random Erasing);
-    validation images are resized by ``1 / crop_pct`` and centre-cropped. An unreadable image file stops the run
-    with its name (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``).
+    Training images get timm's ``create_transform`` (random-resized crop with scale ``crop_scale``, flip with
+    probability ``hflip``, RandAugment ``auto_augment``, Random Erasing ``re_prob``), validation images are resized
+    by ``1 / crop_pct`` and centre-cropped; the switches carry timm's names and default to the paper's ImageNet
+    recipe. ``in_chans=1`` reads every image as grayscale (``mean`` / ``std`` then default to ImageNet's averaged
+    over the channels). For small data sets of shapes that flipping changes (digits, letters) set ``hflip: 0`` and
+    a gentler ``crop_scale`` such as ``[0.7, 1.0]``. An unreadable image file stops the run with its name
+    (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``).
     """
 
     def __init__(
@@ -133,12 +193,19 @@ class ImageFolderDataModule(LightningDataModule):
             crop_pct: float = 0.875,
             interpolation: str = "bicubic",
             on_corrupt: CorruptPolicy = "error",
+            crop_scale: tuple[float, float] = (0.08, 1.0),
+            hflip: float = 0.5,
+            mean: tuple[float, ...] | None = None,
+            std: tuple[float, ...] | None = None,
+            in_chans: int = 3,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        _save_switches(self, dict(crop_scale=crop_scale, hflip=hflip, mean=mean, std=std, in_chans=in_chans),
+                       dict(crop_scale=(0.08, 1.0), hflip=0.5, mean=None, std=None, in_chans=3))
         self.data_dir = Path(data_dir).expanduser()
         if on_corrupt not in ("skip", "error"):
             raise ValueError(f"data.init_args.on_corrupt={on_corrupt!r}: choose 'skip' or 'error'.")
+        self.mean, self.std = _normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
         self.train_set: CheckedImageFolder | None = None
         self.val_set: CheckedImageFolder | None = None
 
@@ -153,18 +220,30 @@ class ImageFolderDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
-        train_tf = create_transform(hp.img_size, is_training=True, auto_augment=hp.auto_augment,
-                                    re_prob=hp.re_prob, interpolation=hp.interpolation,
-                                    mean=IMAGENET_MEAN, std=IMAGENET_STD)
-        val_tf = create_transform(hp.img_size, is_training=False, crop_pct=hp.crop_pct,
-                                  interpolation=hp.interpolation, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+        sw = self.switches
+        train_tf, val_tf = image_transforms(hp.img_size, sw["in_chans"], sw["crop_scale"], sw["hflip"],
+                                            hp.auto_augment, hp.re_prob, hp.interpolation, hp.crop_pct, self.mean,
+                                            self.std)
+        gray = sw["in_chans"] == 1
         if stage in (None, "fit"):
-            self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt)
-        self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt)
+            self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt, gray)
+        self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt, gray)
 
     @property
     def num_classes(self) -> int:
-        return sum(1 for entry in self._split_dir("train").iterdir() if entry.is_dir())
+        """The class folders under ``train/``; linked into ``model.init_args.arch.num_classes`` by ``moh``.
+
+        Without a ``train/`` folder there is no such attribute (``AttributeError``), so the link keeps the
+        config's value and ``setup`` stops with the missing folder's one-line message.
+        """
+        path = self.data_dir / "train"
+        if not path.is_dir():
+            raise AttributeError(f"num_classes: no folder {path}")
+        return sum(1 for entry in path.iterdir() if entry.is_dir())
+
+    @property
+    def in_chans(self) -> int:
+        return self.switches["in_chans"]
 
     def train_dataloader(self) -> StatefulDataLoader:
         return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer,
@@ -181,8 +260,8 @@ class ImageFolderDataModule(LightningDataModule):
 class ArrayImageDataset(WorkerRandomState, Dataset):
     """Grayscale images held as a uint8 array (N, H, W) with integer labels, served through a transform."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
-        self.images = images
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform, mode: str = "L") -> None:
+        self.images, self.mode = images, mode
         self.labels = torch.as_tensor(labels, dtype=torch.long)
         self.transform = transform
 
@@ -190,7 +269,8 @@ class ArrayImageDataset(WorkerRandomState, Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.transform(Image.fromarray(self.images[index], mode="L")), self.labels[index]
+        image = Image.fromarray(self.images[index], mode="L")
+        return self.transform(image if self.mode == "L" else image.convert(self.mode)), self.labels[index]
 
 
 def load_mnist_5k(val_fraction: float = 0.1, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -215,7 +295,8 @@ class MNISTDataModule(LightningDataModule):
     """The embedded default: 4,500 / 500 MNIST digits (seeded split) at 28x28, one channel.
 
     Training uses timm's transform (random-resized crop with scale ``crop_scale``, RandAugment, Random
-    Erasing) without flips, which would turn digits into other shapes.
+    Erasing) without flips (``hflip=0``), which would turn digits into other shapes. The switches are the folder
+    module's, with timm's names; ``in_chans=3`` repeats the gray channel.
     """
 
     num_classes = 10
@@ -230,22 +311,34 @@ class MNISTDataModule(LightningDataModule):
             auto_augment: str | None = "rand-m5-mstd0.5-inc1",
             re_prob: float = 0.1,
             crop_scale: tuple[float, float] = (0.7, 1.0),
+            hflip: float = 0.0,
+            mean: tuple[float, ...] | None = None,
+            std: tuple[float, ...] | None = None,
+            interpolation: str = "bilinear",
+            crop_pct: float = 1.0,
+            in_chans: int = 1,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        _save_switches(self, dict(hflip=hflip, mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct,
+                                  in_chans=in_chans),
+                       dict(hflip=0.0, mean=None, std=None, interpolation="bilinear", crop_pct=1.0, in_chans=1))
+        self.mean, self.std = _normalisation(in_chans, mean, std, MNIST_MEAN, MNIST_STD)
         self.train_set: ArrayImageDataset | None = None
         self.val_set: ArrayImageDataset | None = None
+
+    @property
+    def in_chans(self) -> int:
+        return self.switches["in_chans"]
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         splits = load_mnist_5k(hp.val_fraction, hp.split_seed)
-        train_tf = create_transform((1, hp.img_size, hp.img_size), is_training=True, scale=hp.crop_scale,
-                                    hflip=0.0, auto_augment=hp.auto_augment, re_prob=hp.re_prob,
-                                    mean=MNIST_MEAN, std=MNIST_STD)
-        val_tf = create_transform((1, hp.img_size, hp.img_size), is_training=False, crop_pct=1.0,
-                                  mean=MNIST_MEAN, std=MNIST_STD)
-        self.train_set = ArrayImageDataset(*splits["train"], transform=train_tf)
-        self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf)
+        sw = self.switches
+        train_tf, val_tf = image_transforms(hp.img_size, sw["in_chans"], hp.crop_scale, sw["hflip"], hp.auto_augment,
+                                            hp.re_prob, sw["interpolation"], sw["crop_pct"], self.mean, self.std)
+        mode = "L" if sw["in_chans"] == 1 else "RGB"
+        self.train_set = ArrayImageDataset(*splits["train"], transform=train_tf, mode=mode)
+        self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf, mode=mode)
 
     def train_dataloader(self) -> StatefulDataLoader:
         return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
@@ -256,3 +349,34 @@ class MNISTDataModule(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+def write_digits_folder(root: str | Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
+    """scikit-learn's 1,797 8x8 digits as a grayscale image folder (``train/<digit>/``, ``val/<digit>/`` PNGs).
+
+    Each digit is upscaled to ``size`` x ``size`` (bilinear), white ink on black; a seeded permutation holds out
+    ``val_fraction`` of the images (1,438 / 359 by default). A small data set of real images that ships in a
+    package, for trying the folder module (``cli_configs/vit_tiny_folder_digits.yaml``).
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images * (255 / 16)).clip(0, 255).astype(np.uint8)
+    order = np.random.default_rng(seed).permutation(len(images))
+    num_val = int(round(len(images) * val_fraction))
+    root = Path(root).expanduser()
+    for split, indices in (("val", order[:num_val]), ("train", order[num_val:])):
+        for index in indices:
+            folder = root / split / str(digits.target[index])
+            folder.mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(images[index], mode="L").resize((size, size), Image.BILINEAR)
+            image.save(folder / f"{index:04d}.png")
+    return root
+
+
+if __name__ == "__main__":  # python -m moh_lightning.data.images digits <folder>
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "digits":
+        sys.exit("usage: python -m moh_lightning.data.images digits <folder>")
+    print(write_digits_folder(sys.argv[2]))

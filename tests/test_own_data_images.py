@@ -1,0 +1,79 @@
+"""Issue 13, images: timm's augmentation switches on the folder and MNIST modules, grayscale folders, digits."""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from timm.data.transforms import RandomResizedCropAndInterpolation
+from torchvision import transforms as T
+
+from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, write_digits_folder
+
+SWITCHES = ("crop_scale", "hflip", "mean", "std", "auto_augment", "re_prob", "interpolation", "crop_pct", "in_chans")
+
+
+def _parts(transform, kind):
+    return [t for t in transform.transforms if isinstance(t, kind)]
+
+
+def test_both_modules_take_timms_switch_names():
+    for module in (ImageFolderDataModule, MNISTDataModule):
+        assert set(SWITCHES) <= set(inspect.signature(module).parameters), module
+
+
+def test_folder_defaults_stay_the_imagenet_recipe(tmp_path, write_image_folder):
+    write_image_folder(tmp_path)
+    dm = ImageFolderDataModule(str(tmp_path), img_size=32, num_workers=0)
+    # the switches added here are not recorded while at their defaults: old configs record what they did before
+    assert set(dm.hparams) == {"data_dir", "img_size", "batch_size", "num_workers", "auto_augment", "re_prob",
+                               "crop_pct", "interpolation", "on_corrupt"}
+    dm.setup("fit")
+    (crop,) = _parts(dm.train_set.transform, RandomResizedCropAndInterpolation)
+    assert crop.scale == (0.08, 1.0)
+    assert _parts(dm.train_set.transform, T.RandomHorizontalFlip)[0].p == 0.5
+    (norm,) = _parts(dm.val_set.transform, T.Normalize)
+    assert torch.allclose(norm.mean, torch.tensor([0.485, 0.456, 0.406]))
+    assert dm.train_set[0][0].shape == (3, 32, 32) and dm.num_classes == 2 and dm.in_chans == 3
+
+
+def test_folder_switches_and_grayscale(tmp_path, write_image_folder):
+    write_image_folder(tmp_path)
+    dm = ImageFolderDataModule(str(tmp_path), img_size=24, num_workers=0, hflip=0.0, crop_scale=(0.7, 1.0),
+                               auto_augment=None, re_prob=0.0, in_chans=1, mean=(0.3,), std=(0.3,), crop_pct=1.0,
+                               interpolation="bilinear")
+    assert dm.hparams.hflip == 0.0 and dm.hparams.in_chans == 1  # set switches are recorded
+    dm.setup("fit")
+    assert _parts(dm.train_set.transform, T.RandomHorizontalFlip) == []
+    assert _parts(dm.train_set.transform, RandomResizedCropAndInterpolation)[0].scale == (0.7, 1.0)
+    image, label = dm.train_set[0]
+    assert image.shape == (1, 24, 24) and dm.val_set[0][0].shape == (1, 24, 24)
+    # grayscale with ImageNet's statistics averaged over the channels when mean / std are not given
+    gray = ImageFolderDataModule(str(tmp_path), in_chans=1)
+    assert gray.mean == pytest.approx((np.mean([0.485, 0.456, 0.406]),))
+    with pytest.raises(ValueError, match="one value per channel"):
+        ImageFolderDataModule(str(tmp_path), mean=(0.5,), std=(0.5,))
+
+
+def test_mnist_takes_the_same_switches():
+    dm = MNISTDataModule(crop_scale=(0.85, 1.0), auto_augment=None, re_prob=0.0)
+    assert "hflip" not in dm.hparams and dm.hparams.crop_scale == (0.85, 1.0)
+    dm.setup("fit")
+    assert _parts(dm.train_set.transform, T.RandomHorizontalFlip) == []
+    rgb = MNISTDataModule(in_chans=3, hflip=0.5, auto_augment=None, re_prob=0.0)
+    rgb.setup("fit")
+    assert rgb.train_set[0][0].shape == (3, 28, 28) and rgb.in_chans == 3
+    assert _parts(rgb.train_set.transform, T.RandomHorizontalFlip)[0].p == 0.5
+
+
+def test_digits_folder(tmp_path):
+    root = write_digits_folder(tmp_path / "digits", size=32)
+    train = sorted((root / "train").glob("*/*.png"))
+    val = sorted((root / "val").glob("*/*.png"))
+    assert (len(train), len(val)) == (1438, 359)
+    assert sorted(p.name for p in (root / "train").iterdir()) == [str(d) for d in range(10)]
+    with Image.open(train[0]) as image:
+        assert image.mode == "L" and image.size == (32, 32)
+    assert not {p.name for p in train} & {p.name for p in val}
