@@ -212,6 +212,12 @@ class MoHLightningCLI(LightningCLI):
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.add_lightning_class_args(ExactResumeCallback, "exact_resume")
         parser.add_lightning_class_args(FiniteLossGuard, "finite_loss_guard")
+        # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
+        # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
+        # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
+        # whose target the task's arch lacks (LlamaConfig has no num_classes, ViTConfig no vocab_size).
+        for key in ("num_classes", "vocab_size", "in_chans"):
+            parser.link_arguments(f"data.{key}", f"model.init_args.arch.{key}", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
