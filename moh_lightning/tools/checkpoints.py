@@ -1,4 +1,8 @@
-"""Loading ``moh fit`` checkpoints for the tools that evaluate or export them."""
+"""Loading ``moh fit`` checkpoints for the tools that evaluate or export them.
+
+Every tool reads the checkpoint's task first (``read_checkpoint``): given another kind of checkpoint it stops in one
+line naming the kind it got and the tool that fits, instead of failing inside the wrong class's ``__init__``.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +11,66 @@ import torch
 
 from moh_lightning.tasks.language_model import LanguageModel
 
+# The task class (its name) -> the tools that take its checkpoints.
+TOOLS_FOR = {
+    "LanguageModel": "moh generate, moh lm-eval or moh export-hf",
+    "ClassConditionalDiffusion": "moh sample (then moh fidelity or moh digit_quality on its samples)",
+    "ImageClassifier": "moh export-timm, or moh digit_quality --classifier",
+    "TransNeXtClassifier": "moh export-timm",
+}
+# Checkpoints without the task's class path (written outside LightningCLI): the kind from the arch config's type.
+_ARCH_TASK = {"LlamaConfig": "LanguageModel", "DiTConfig": "ClassConditionalDiffusion", "ViTConfig": "ImageClassifier",
+              "TransNeXtConfig": "TransNeXtClassifier"}
 
-def load_language_model(checkpoint: str | Path, map_location: str = "cpu") -> tuple[LanguageModel, dict]:
-    """A trained ``LanguageModel`` in eval mode and its data module's hyper-parameters (tokenizer, ...)."""
+
+def checkpoint_task(raw: dict) -> str:
+    """The class name of the task a loaded checkpoint was written by; ``unknown`` when it does not say."""
+    hparams = raw.get("hyper_parameters") or {}
+    class_path = hparams.get("_class_path")
+    if class_path:
+        return str(class_path).rpartition(".")[2]
+    arch = hparams.get("arch")
+    if arch is not None and type(arch).__name__ in _ARCH_TASK:
+        return _ARCH_TASK[type(arch).__name__]
+    keys = raw.get("state_dict") or {}
+    if any(k.startswith("model.y_embedder") for k in keys):
+        return "ClassConditionalDiffusion"
+    if any(k.startswith("model.stages.") for k in keys):
+        return "TransNeXtClassifier"
+    if any(k.startswith("model.patch_embed.") for k in keys):
+        return "ImageClassifier"
+    return "unknown"
+
+
+def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], tool: str,
+                    map_location: str = "cpu") -> dict:
+    """The loaded checkpoint, after checking it was written by one of the ``expected`` task classes.
+
+    The kind is the task's class path that LightningCLI saves with the hyper-parameters, else the type of the
+    ``arch`` config, else told from the weights' names; a checkpoint none of these identifies goes to the tool.
+    A missing file or another task's checkpoint stops the tool with one line (``SystemExit``) that names the kind
+    it got and the tool that fits it.
+    """
     path = Path(checkpoint)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint}: no such file; give a .ckpt written by `moh fit`.")
-    raw = torch.load(path, map_location=map_location, weights_only=False)
+        raise FileNotFoundError(f"moh {tool}: checkpoint {checkpoint}: no such file; give a .ckpt written by "
+                                f"`moh fit`.")
+    raw = torch.load(path, map_location=map_location, weights_only=False)  # a moh fit checkpoint pickles its config
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    names = {cls.__name__ for cls in expected}
+    kind = checkpoint_task(raw)
+    if kind != "unknown" and kind not in names:  # a checkpoint that does not say is left to the tool
+        wanted = " or ".join(sorted(names))
+        fits = TOOLS_FOR.get(kind)
+        advice = f"use {fits} for it" if fits else "give a checkpoint written by `moh fit` with that task"
+        raise SystemExit(f"moh {tool}: {checkpoint} is a {kind} checkpoint, not a {wanted} one; {advice}.")
+    return raw
+
+
+def load_language_model(checkpoint: str | Path, map_location: str = "cpu",
+                        tool: str = "generate") -> tuple[LanguageModel, dict]:
+    """A trained ``LanguageModel`` in eval mode and its data module's hyper-parameters (tokenizer, ...)."""
+    raw = read_checkpoint(checkpoint, LanguageModel, tool, map_location)
     data_hparams = dict(raw.get("datamodule_hyper_parameters") or {})
     hparams = dict(raw["hyper_parameters"])
     hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
@@ -24,4 +81,4 @@ def load_language_model(checkpoint: str | Path, map_location: str = "cpu") -> tu
     return task.eval(), data_hparams
 
 
-__all__ = ["load_language_model"]
+__all__ = ["TOOLS_FOR", "checkpoint_task", "load_language_model", "read_checkpoint"]

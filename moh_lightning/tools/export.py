@@ -56,7 +56,7 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
             ``huggingface_hub`` finds (``hf auth login`` or ``HF_TOKEN``).
         private: Create the hub repo private.
     """
-    task, data_hparams = load_language_model(checkpoint)
+    task, data_hparams = load_language_model(checkpoint, tool="export-hf")
     name = tokenizer or data_hparams.get("tokenizer")
     source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
     export_hf(task.model, out, load_tokenizer(name) if name else None, source=source, name=push_to_hub)

@@ -21,8 +21,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from moh_lightning.data.images import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
 from moh_lightning.models.transnext import NAMED_MODELS, TransNeXtConfig
 from moh_lightning.models.vit import NAMED_VITS, ViTConfig
@@ -44,7 +42,10 @@ def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: 
     """
     import timm
 
-    raw = torch.load(checkpoint, map_location="cpu", weights_only=False)  # a moh fit checkpoint pickles its config
+    from moh_lightning.tasks.classification import ImageClassifier, TransNeXtClassifier
+    from moh_lightning.tools.checkpoints import read_checkpoint
+
+    raw = read_checkpoint(checkpoint, (ImageClassifier, TransNeXtClassifier), "export-timm")
     family, arch = _classifier(raw, checkpoint)
     name, model_args = registered_name(arch)
     model = timm.create_model(name, **model_args)

@@ -57,7 +57,7 @@ class MoHLM(HFLM):
         from moh_lightning.data.text import load_tokenizer
         from moh_lightning.tools.checkpoints import load_language_model
 
-        task, data_hparams = load_language_model(checkpoint, map_location=device)
+        task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")
         name = tokenizer or data_hparams.get("tokenizer")
         if name is None:
             raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")

@@ -10,6 +10,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, Sampler
+from moh_lightning.tools.checkpoints import read_checkpoint
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -57,6 +58,7 @@ def sample(
     path = Path(checkpoint)
     if not path.is_file():
         raise SystemExit(f"sample: --checkpoint {checkpoint}: no such file; pass a .ckpt written by `moh fit`.")
+    read_checkpoint(path, ClassConditionalDiffusion, "sample")  # another task's checkpoint: one line naming its tool
     task = ClassConditionalDiffusion.load_from_checkpoint(path, map_location=device, weights_only=False)
     task.eval()
     cfg_scale = task.hparams.cfg_scale if cfg_scale is None else cfg_scale
