@@ -7,8 +7,10 @@ are registered with timm (``timm.create_model("moh_vit_small_patch16_224_75")``)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, register_model
 from timm.models._registry import generate_default_cfgs
@@ -23,7 +25,11 @@ class ViTConfig:
     """Architecture of a (MoH) ViT: timm's ``VisionTransformer`` arguments and the MoH head budget.
 
     Defaults are ViT-S/16 at 224 pixels for ImageNet-1k. ``head_dim`` is the width of one head
-    (``embed_dim // num_heads`` when None).
+    (``embed_dim // num_heads`` when None). ``pretrained`` starts the MoH-ViT from dense timm ViT weights: a timm
+    model name (downloaded through timm, e.g. ``vit_small_patch16_224.augreg_in21k_ft_in1k``) or a local file
+    (``.safetensors`` or a ``torch.save``'d state dict, timm's names). Every weight but the routers (fresh) must
+    fit; the classifier head is left fresh when ``num_classes`` differs, the position embedding is resampled to
+    another grid and the patch embedding adapted to ``in_chans`` as timm does.
     """
 
     img_size: int = 224
@@ -42,6 +48,7 @@ class ViTConfig:
     global_pool: str = "token"
     moh: MoHConfig | None = field(default_factory=lambda: MoHConfig(num_shared_heads=2, top_k=2))
     timm_kwargs: dict = field(default_factory=dict)
+    pretrained: str | None = None
 
     def __post_init__(self) -> None:
         self.moh = as_moh_config(self.moh)
@@ -68,6 +75,70 @@ def create_vit(config: ViTConfig) -> VisionTransformer:
         global_pool=config.global_pool, attn_layer=attn_layer, **config.timm_kwargs,
     )
     assert all(isinstance(block.attn, MoHAttention) for block in model.blocks)
+    if config.pretrained:
+        load_dense_timm_weights(model, config.pretrained)
+    return model
+
+
+def _dense_state_dict(source: str) -> dict:
+    """The state dict of a local weights file, or of the timm model ``source`` downloaded with its weights."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        for key in ("state_dict", "model", "state_dict_ema"):
+            if isinstance(state.get(key), dict):
+                state = state[key]
+                break
+        return state
+    if source.startswith(("/", "./", "../", "~")) or path.suffix in (".pth", ".pt", ".bin", ".safetensors", ".ckpt"):
+        raise FileNotFoundError(f"arch.pretrained={source!r}: no such file; give a timm model name or a local "
+                                f"weights file (.safetensors or a torch.save'd state dict).")
+    import timm
+
+    try:
+        return timm.create_model(source, pretrained=True).state_dict()
+    except RuntimeError as error:  # an unknown name
+        raise ValueError(f"arch.pretrained={source!r}: {str(error).splitlines()[0]}; give a timm model name "
+                         f"(timm.list_pretrained('vit_*')) or a local weights file.") from None
+    except OSError as error:  # offline, or the hub unreachable
+        raise OSError(f"arch.pretrained={source!r}: cannot download it ({str(error).strip().splitlines()[0]}); "
+                      f"pass a local file instead: the model.safetensors of its hub folder "
+                      f"(hf download timm/{source.split('.')[0]}... on a machine online) or "
+                      f"torch.save(timm.create_model({source!r}, pretrained=True).state_dict(), 'vit.pth').") from None
+
+
+def load_dense_timm_weights(model: VisionTransformer, source: str) -> VisionTransformer:
+    """Dense timm ViT weights into a MoH-ViT: the attention's qkv / proj load as they are, the routers stay fresh.
+
+    timm's own ``checkpoint_filter_fn`` resamples the position embedding to the model's grid and adapts the patch
+    embedding; a classifier head of another size is left fresh. Any other weight that does not fit stops in one line.
+    """
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    state = checkpoint_filter_fn(_dense_state_dict(source), model)
+    own = model.state_dict()
+    fresh_head = [k for k in ("head.weight", "head.bias") if k in state and k in own and state[k].shape != own[k].shape]
+    for key in fresh_head:
+        del state[key]
+    in_chans, patch = model.patch_embed.proj.in_channels, state.get("patch_embed.proj.weight")
+    if patch is not None and patch.shape[1] != in_chans:
+        from timm.models._manipulate import adapt_input_conv
+
+        state["patch_embed.proj.weight"] = adapt_input_conv(in_chans, patch)
+    wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
+    if wrong:
+        raise ValueError(f"arch.pretrained={source!r}: {len(wrong)} weights do not fit this ViTConfig (e.g. {wrong[0]} "
+                         f"{tuple(state[wrong[0]].shape)} vs {tuple(own[wrong[0]].shape)}); match embed_dim, depth, "
+                         f"num_heads, patch_size and mlp_ratio to the dense model.")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if ".router." not in k and k not in fresh_head]
+    if missing or unexpected:
+        raise ValueError(f"arch.pretrained={source!r}: {len(missing)} weights missing (e.g. {missing[:1]}), "
+                         f"{len(unexpected)} unexpected (e.g. {unexpected[:1]}); it is not a timm ViT of this shape.")
     return model
 
 
