@@ -1,0 +1,144 @@
+"""Image classification data from a Hugging Face ``datasets`` dataset: a hub id, or a local folder through
+``datasets.load_dataset("imagefolder", data_dir=...)``, with the folder module's timm transforms and switches."""
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from moh_lightning.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    WorkerRandomState,
+    _normalisation,
+    image_transforms,
+    train_loader,
+)
+
+
+class HFImageDataset(WorkerRandomState, Dataset):
+    """Rows of a ``datasets.Dataset`` as (transformed image, label)."""
+
+    def __init__(self, rows, image_field: str, label_field: str, transform, mode: str) -> None:
+        self.rows, self.image_field, self.label_field = rows, image_field, label_field
+        self.transform, self.mode = transform, mode
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        row = self.rows[index]
+        return self.transform(row[self.image_field].convert(self.mode)), int(row[self.label_field])
+
+
+class HFImageDataModule(LightningDataModule):
+    """A ``datasets`` image-classification dataset: ``dataset`` is a hub id (``uoft-cs/cifar10``) or a loader such
+    as ``imagefolder`` with ``data_dir`` (a local folder, ``train/<class>/`` and ``val/<class>/`` or ``test/``).
+
+    The validation rows are ``val_split`` when the dataset has it, else a seeded, stratified ``val_fraction`` of
+    ``train_split``. Labels are the ``label_field`` column (a ``ClassLabel``: ``num_classes`` comes from it and
+    is linked into the model). Transforms and switches are ``ImageFolderDataModule``'s (timm's names and defaults,
+    the paper's ImageNet recipe); for small data sets of digits or letters set ``hflip: 0`` and ``crop_scale``.
+    """
+
+    def __init__(
+            self,
+            dataset: str,
+            data_dir: str | None = None,
+            dataset_config: str | None = None,
+            train_split: str = "train",
+            val_split: str | None = "validation",
+            val_fraction: float = 0.1,
+            split_seed: int = 0,
+            image_field: str = "image",
+            label_field: str = "label",
+            cache_dir: str | None = None,
+            img_size: int = 224,
+            batch_size: int = 128,
+            num_workers: int = 8,
+            auto_augment: str | None = "rand-m9-mstd0.5-inc1",
+            re_prob: float = 0.25,
+            crop_pct: float = 0.875,
+            interpolation: str = "bicubic",
+            crop_scale: tuple[float, float] = (0.08, 1.0),
+            hflip: float = 0.5,
+            mean: tuple[float, ...] | None = None,
+            std: tuple[float, ...] | None = None,
+            in_chans: int = 3,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.mean, self.std = _normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
+        self._splits = None
+        self.train_set: HFImageDataset | None = None
+        self.val_set: HFImageDataset | None = None
+
+    def _load(self):
+        """``{"train": rows, "val": rows}``, loaded once (``datasets`` caches the download and the arrow files)."""
+        if self._splits is not None:
+            return self._splits
+        import datasets
+
+        hp = self.hparams
+        try:
+            data = datasets.load_dataset(hp.dataset, hp.dataset_config, data_dir=hp.data_dir, cache_dir=hp.cache_dir)
+        except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise OSError(f"data.init_args.dataset={hp.dataset!r}: cannot load it ({reason}); pass a local folder "
+                          f"instead: --data.init_args.dataset imagefolder --data.init_args.data_dir <folder with "
+                          f"train/<class>/ and val/<class>/ images>.") from None
+        if hp.train_split not in data:
+            raise ValueError(f"data.init_args.train_split={hp.train_split!r}: the dataset's splits are "
+                             f"{sorted(data)}.")
+        train = data[hp.train_split]
+        for field in (hp.image_field, hp.label_field):
+            if field not in train.column_names:
+                raise KeyError(f"data.init_args: the dataset has no column {field!r} (columns: {train.column_names}); "
+                               f"set image_field / label_field.")
+        if hp.val_split and hp.val_split in data:
+            val = data[hp.val_split]
+        else:
+            parts = train.train_test_split(test_size=hp.val_fraction, seed=hp.split_seed,
+                                           stratify_by_column=hp.label_field)
+            train, val = parts["train"], parts["test"]
+        self._splits = {"train": train, "val": val}
+        return self._splits
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of the label column; linked into ``model.init_args.arch.num_classes`` by ``moh``. No such
+        attribute when the dataset cannot be loaded (the link keeps the config's value, ``setup`` says why)."""
+        try:
+            feature = self._load()["train"].features[self.hparams.label_field]
+        except (OSError, ValueError, KeyError) as error:
+            raise AttributeError(f"num_classes: {error}") from None
+        if not hasattr(feature, "num_classes"):
+            raise AttributeError(f"num_classes: column {self.hparams.label_field!r} is not a ClassLabel")
+        return feature.num_classes
+
+    @property
+    def in_chans(self) -> int:
+        return self.hparams.in_chans
+
+    def setup(self, stage: str | None = None) -> None:
+        hp = self.hparams
+        splits = self._load()
+        train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,
+                                            hp.re_prob, hp.interpolation, hp.crop_pct, self.mean, self.std)
+        mode = "L" if hp.in_chans == 1 else "RGB"
+        self.train_set = HFImageDataset(splits["train"], hp.image_field, hp.label_field, train_tf, mode)
+        self.val_set = HFImageDataset(splits["val"], hp.image_field, hp.label_field, val_tf, mode)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
+                          persistent_workers=self.hparams.num_workers > 0)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+__all__ = ["HFImageDataModule", "HFImageDataset"]
