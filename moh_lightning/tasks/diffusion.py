@@ -9,6 +9,8 @@ loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
 """
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -23,6 +25,52 @@ from moh_lightning.tasks.base import MoHTask
 
 Sampler = Literal["ddpm", "ddim"]
 BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
+
+
+def load_dense_dit_weights(model: DiT, source: str) -> DiT:
+    """A dense DiT checkpoint in the authors' DiT layout (facebookresearch/DiT: ``DiT-XL-2-256x256.pt``, or a
+    ``train.py`` checkpoint, whose EMA weights are used) into a MoH-DiT of the same shape, routers fresh.
+
+    The suite's DiT keeps the DiT authors' parameter names, so every weight loads by name; ``pos_embed`` (a fixed
+    sin-cos table here, not a weight) is checked against the model's and dropped. Anything else that is missing,
+    left over or of another shape stops in one line.
+    """
+    from moh_lightning.models.dit import sincos_pos_embed_2d
+
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"model.init_args.init_from_dense={source!r}: no such file; download the dense DiT "
+                                f"checkpoint (e.g. DiT-XL-2-256x256.pt of facebookresearch/DiT) and give its path.")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        raw = load_file(str(path))
+    else:
+        with torch.serialization.safe_globals([argparse.Namespace]):  # train.py stores its args beside the weights
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("ema", "state_dict", "model"):
+        if isinstance(raw, dict) and isinstance(raw.get(key), dict):
+            raw = raw[key]
+            break
+    state = {name.removeprefix("module."): value for name, value in raw.items()}
+    config = model.config
+    if "pos_embed" in state:
+        expected = sincos_pos_embed_2d(config.embed_dim, config.input_size // config.patch_size).unsqueeze(0)
+        value = state.pop("pos_embed")
+        if value.shape != expected.shape or (value.float() - expected).abs().max().item() > 1e-5:
+            raise ValueError(f"init_from_dense={source!r}: its pos_embed {tuple(value.shape)} is not DiT's sin-cos "
+                             f"table for this config {tuple(expected.shape)}; check input_size, patch_size, embed_dim.")
+    own = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and v.shape != own[k].shape]
+    missing = [k for k in own if k not in state and ".router." not in k]
+    unexpected = [k for k in state if k not in own]
+    if wrong or missing or unexpected:
+        raise ValueError(f"init_from_dense={source!r}: not a dense DiT of this config: {len(missing)} missing "
+                         f"{missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}, other shapes {wrong[:2]}; "
+                         f"match depth, embed_dim, num_heads, patch_size, in_channels and num_classes to it.")
+    model.load_state_dict(state, strict=False)
+    return model
 
 
 class ClassConditionalDiffusion(MoHTask):
@@ -48,6 +96,8 @@ class ClassConditionalDiffusion(MoHTask):
         cfg_channels: Guide only the first this many noise channels; None guides all. DiT's sampling code guides 3
             of the 4 latent channels, which its published FIDs were measured with: set 3 to reproduce them.
         clip_sample: Clip the predicted clean sample to [-1, 1] while sampling (pixels yes, latents no).
+        init_from_dense: Start from a dense DiT checkpoint in the authors' layout (``DiT-XL-2-256x256.pt``), every
+            weight loaded, the routers fresh (``load_dense_dit_weights``).
     """
 
     head_load_group_name = "class"
@@ -69,15 +119,19 @@ class ClassConditionalDiffusion(MoHTask):
             cfg_scale: float = 1.0,
             cfg_channels: int | None = None,
             clip_sample: bool = False,
+            init_from_dense: str | None = None,
     ) -> None:
         super().__init__(load_balance_beta)
         if snr_gamma is not None and snr_gamma <= 0:
             raise ValueError(f"snr_gamma={snr_gamma} must be > 0, or null for DiT's unweighted loss.")
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: choose 'ddpm' or 'ddim'.")
-        self.save_hyperparameters()
+        # init_from_dense is recorded once set: configs written before it existed record what they did before
+        self.save_hyperparameters(ignore=None if init_from_dense else ["init_from_dense"])
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
+        if init_from_dense:
+            load_dense_dit_weights(self.model, init_from_dense)
         if cfg_channels is not None and not 1 <= cfg_channels <= self.model.in_channels:
             raise ValueError(f"cfg_channels={cfg_channels} must be between 1 and the model's "
                              f"{self.model.in_channels} channels, or null to guide all.")

@@ -1,0 +1,34 @@
+"""Issue 13: a MoH-DiT starts from a dense DiT checkpoint in the authors' layout, routers fresh."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
+from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
+
+SHAPE = dict(input_size=8, patch_size=2, in_channels=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+
+
+def test_dense_dit_checkpoint_loads_with_fresh_routers(tmp_path):
+    torch.manual_seed(0)
+    dense = DiT(DiTConfig(**SHAPE, moh=None))
+    state = dict(dense.state_dict())
+    state["pos_embed"] = sincos_pos_embed_2d(32, 4).unsqueeze(0)  # the authors keep it as a (frozen) parameter
+    torch.save({"model": state, "ema": state, "opt": {}}, tmp_path / "dense.pt")  # their train.py layout
+
+    task = ClassConditionalDiffusion(arch=DiTConfig(**SHAPE, moh=MoHConfig(num_shared_heads=2, top_k=1)),
+                                     init_from_dense=str(tmp_path / "dense.pt"))
+    own = task.model.state_dict()
+    for key, value in dense.state_dict().items():
+        assert torch.equal(own[key], value), key
+    assert any(".router." in key for key in own)
+    assert task.hparams.init_from_dense == str(tmp_path / "dense.pt")
+    assert "init_from_dense" not in ClassConditionalDiffusion(arch=DiTConfig(**SHAPE)).hparams
+
+    with pytest.raises(ValueError, match="not a dense DiT of this config") as error:
+        ClassConditionalDiffusion(arch=DiTConfig(**dict(SHAPE, depth=3)), init_from_dense=str(tmp_path / "dense.pt"))
+    assert "\n" not in str(error.value)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ClassConditionalDiffusion(arch=DiTConfig(**SHAPE), init_from_dense=str(tmp_path / "missing.pt"))
