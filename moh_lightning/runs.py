@@ -8,6 +8,7 @@ aside and the next newest is used (``latest_loadable_checkpoint``).
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 import zipfile
@@ -39,7 +40,9 @@ def latest_checkpoint(run_root: Path, skip: Collection[Path] = ()) -> tuple[Path
     """The version folder holding the newest checkpoint of a run name, and that checkpoint; None if there is none.
 
     ``last.ckpt`` is written with every periodic checkpoint and at the end of fit, so it is the newest state of its
-    folder; without it the newest by modification time is taken. Checkpoints in ``skip`` are passed over.
+    folder; without it the one of the highest step in its name (``step=N``, as StepCheckpoint and Lightning name
+    them) is taken, and among equal steps the newest by modification time: a folder copied without its times
+    keeps its order. Checkpoints in ``skip`` are passed over.
     """
     newest = None
     for version in versions(run_root):
@@ -48,10 +51,15 @@ def latest_checkpoint(run_root: Path, skip: Collection[Path] = ()) -> tuple[Path
         if not found:
             continue
         last = [(mtime, p) for mtime, p in found if p.name == "last.ckpt"]
-        chosen = last[0] if last else max(found, key=lambda item: item[0])
+        chosen = last[0] if last else max(found, key=lambda item: (_step_in_name(item[1]), item[0]))
         if newest is None or chosen[0] >= newest[0]:
             newest = (chosen[0], version, chosen[1])
     return None if newest is None else newest[1:]
+
+
+def _step_in_name(path: Path) -> int:
+    found = re.search(r"step=(\d+)", path.name)
+    return int(found.group(1)) if found else -1
 
 
 def checkpoint_problem(path: Path) -> str | None:
