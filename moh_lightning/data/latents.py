@@ -16,7 +16,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from moh_lightning.data.images import WorkerRandomState, load_mnist_5k
+from moh_lightning.data.images import WorkerRandomState, load_mnist_5k, train_loader
 
 SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215
@@ -103,10 +103,7 @@ class LatentDataModule(LightningDataModule):
         self.train_set = LatentDataset(latents, labels, self.hparams.flip)
 
     def train_dataloader(self) -> StatefulDataLoader:
-        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run continues mid-epoch.
-        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                                  num_workers=self.hparams.num_workers,
-                                  persistent_workers=self.hparams.num_workers > 0)
+        return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
 
 
 @torch.no_grad()
@@ -190,8 +187,7 @@ class MNISTPixelDataModule(LightningDataModule):
         self.val_set = TensorDataset(mnist_pixels(splits["val"][0], size), torch.as_tensor(splits["val"][1]))
 
     def train_dataloader(self) -> StatefulDataLoader:
-        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                                  num_workers=self.hparams.num_workers)
+        return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=250, num_workers=self.hparams.num_workers)
