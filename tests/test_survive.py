@@ -103,40 +103,40 @@ def _batches(folder: Path) -> dict[int, str]:
     return seen
 
 
-def _losses(folder: Path) -> dict[int, float]:
+def _losses(folder: Path, run: Path = RUN) -> dict[int, float]:
     values = {}
-    for version in sorted((folder / RUN).glob("version_*")):
+    for version in sorted((folder / run).glob("version_*")):
         events = EventAccumulator(str(version), size_guidance={"scalars": 0}).Reload()
         if "train/loss" in events.Tags()["scalars"]:
             values.update({event.step: event.value for event in events.Scalars("train/loss")})
     return values
 
 
-def _checkpoints(folder: Path) -> Path:
-    return folder / RUN / "version_0" / "checkpoints"
+def _checkpoints(folder: Path, run: Path = RUN) -> Path:
+    return folder / run / "version_0" / "checkpoints"
 
 
 def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _assert_same_run(expected: Path, actual: Path) -> None:
+def _assert_same_run(expected: Path, actual: Path, run: Path = RUN) -> None:
     """The same batch at every step, the same logged losses and bit-identical final weights."""
     assert _batches(actual) == _batches(expected) and sorted(_batches(expected)) == list(range(STEPS))
-    assert _losses(actual) == _losses(expected) and len(_losses(expected)) == STEPS
-    want, got = _load(_checkpoints(expected) / "last.ckpt"), _load(_checkpoints(actual) / "last.ckpt")
+    assert _losses(actual, run) == _losses(expected, run) and len(_losses(expected, run)) == STEPS
+    want, got = _load(_checkpoints(expected, run) / "last.ckpt"), _load(_checkpoints(actual, run) / "last.ckpt")
     assert got["global_step"] == want["global_step"] == STEPS
     assert want["state_dict"].keys() == got["state_dict"].keys()
     for name, value in want["state_dict"].items():
         assert torch.equal(got["state_dict"][name], value), name
 
 
-def _fit(folder: Path, *args: str) -> None:
+def _fit(folder: Path, *args: str, base: list[str] = VIT) -> None:
     folder.mkdir(exist_ok=True)
     previous = Path.cwd()
     os.chdir(folder)
     try:
-        main(["fit", *VIT, *args])
+        main(["fit", *base, *args])
     finally:
         os.chdir(previous)
 
@@ -219,6 +219,14 @@ def test_when_no_checkpoint_loads_the_run_stops_in_one_line_listing_them_and_ren
     assert "last.ckpt (RuntimeError: PytorchStreamReader" in message
     assert "step=0000003.ckpt (EOFError: Ran out of input)" in message
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=0000003.ckpt"]
+
+
+def test_the_next_newest_is_the_highest_step_even_in_a_folder_copied_without_its_times(tmp_path):
+    folder = _fake_run(tmp_path, (3, 6))
+    _truncate(folder / "last.ckpt")
+    os.utime(folder / "step=0000003.ckpt", (3000, 3000))  # as `cp -r` leaves them: in copy order
+    with pytest.warns(UserWarning, match="resuming from the next newest, .*step=0000006.ckpt"):
+        assert latest_loadable_checkpoint(tmp_path / "runs" / "exp")[1].name == "step=0000006.ckpt"
 
 
 def test_checkpoint_check_reads_only_the_pickle_of_a_complete_archive(tmp_path):
@@ -305,6 +313,25 @@ def test_ddp_run_killed_mid_epoch_resumes_to_the_same_weights_as_the_uninterrupt
     assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 3
     _fit(folder, *DDP, "--ckpt_path", "last")
     _assert_same_run(ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
+
+
+# The DiT default shrunk the same way (2 blocks of width 64, 8 digits a batch; without its EMA and sample grids).
+DIT = ["--config", "dit_mnist_90.yaml", f"--trainer.max_steps={STEPS}", "--trainer.limit_train_batches=5",
+       "--trainer.limit_val_batches=0", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
+       "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.callbacks=[]",
+       "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
+       "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
+       "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8", "--checkpoint.every_n_train_steps=3",
+       "--trainer.callbacks+=test_survive.RecordBatches", *DDP]
+
+
+def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
+    _fit(tmp_path / "uninterrupted", base=DIT)
+    folder = tmp_path / "killed"
+    with pytest.raises(Exception, match="terminated with signal SIGKILL"):
+        _fit(folder, "--trainer.callbacks+=test_survive.KillAtStep", "--trainer.callbacks.step=5", base=DIT)
+    _fit(folder, "--ckpt_path", "last", base=DIT)
+    _assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_90")
 
 
 # 4. SIGTERM --------------------------------------------------------------------------------------------------------
