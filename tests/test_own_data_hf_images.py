@@ -28,7 +28,7 @@ def test_without_a_validation_split_holds_out_a_fraction(tmp_path, write_image_f
 
 def test_classes_reach_the_model_and_offline_hub_name_says_what_to_pass(tmp_path, write_image_folder, monkeypatch):
     write_image_folder(tmp_path / "pets")
-    cli = MoHLightningCLI(args=["--config", "vit_tiny_folder_digits.yaml", "--trainer.logger", "false",
+    cli = MoHLightningCLI(args=["--config", "vit_tiny_folder_digits_75.yaml", "--trainer.logger", "false",
                                 "--data", "moh_lightning.data.hf_images.HFImageDataModule",
                                 "--data.init_args.dataset", "imagefolder",
                                 "--data.init_args.data_dir", str(tmp_path / "pets"),

@@ -17,7 +17,7 @@ def test_classes_and_channels_come_from_the_folder(run_dir):
             (run_dir / split / label).mkdir(parents=True)
             Image.fromarray(np.zeros((32, 32), np.uint8), mode="L").save(run_dir / split / label / "0.png")
     # the recipe says num_classes 10 and in_chans 1; the folder has 3 classes and is read as RGB here
-    cli = _cli("--config", "vit_tiny_folder_digits.yaml", "--data.init_args.data_dir", str(run_dir),
+    cli = _cli("--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", str(run_dir),
                "--data.init_args.in_chans", "3", "--data.init_args.mean", "null", "--data.init_args.std", "null")
     arch = cli.model.hparams.arch
     assert (arch["num_classes"], arch["in_chans"]) == (3, 3)

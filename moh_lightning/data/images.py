@@ -356,7 +356,7 @@ def write_digits_folder(root: str | Path, size: int = 32, val_fraction: float = 
 
     Each digit is upscaled to ``size`` x ``size`` (bilinear), white ink on black; a seeded permutation holds out
     ``val_fraction`` of the images (1,438 / 359 by default). A small data set of real images that ships in a
-    package, for trying the folder module (``cli_configs/vit_tiny_folder_digits.yaml``).
+    package, for trying the folder module (``cli_configs/vit_tiny_folder_digits_75.yaml``).
     """
     from sklearn.datasets import load_digits
 
