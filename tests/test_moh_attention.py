@@ -163,3 +163,70 @@ def test_impossible_head_budgets_name_the_key(shared, top_k, key):
 def test_moh_layers_skips_dense_layers():
     model = torch.nn.Sequential(make(num_shared_heads=2, top_k=2), make(dense=True))
     assert len(moh_layers(model)) == 1
+
+
+def _three_linear_router(router, x, valid=None):
+    """MoHRouter's formula as it was written before the fused projection: three linears, three softmaxes over the
+    heads, the top-k of the scores renormalised, and the load-balance loss from the (T, E) scores."""
+    tokens = x.reshape(-1, x.shape[-1])
+    shared = routed = loss = None
+    if router.num_shared_heads:
+        shared = (router.shared_router(tokens).softmax(-1) * router.num_shared_heads
+                  if router.shared_router is not None else tokens.new_ones(tokens.shape[0], 1))
+    if router.routed_router is not None:
+        probs = router.routed_router(tokens).softmax(-1)
+        selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, probs.topk(router.top_k, -1).indices, True)
+        kept = probs * selected
+        routed = kept / kept.sum(-1, keepdim=True) * router.top_k
+        if router.training and router.top_k < router.num_routed_heads:
+            loss = load_balance_loss(probs, selected, valid)
+    if router.type_router is not None:
+        alpha = router.type_router(tokens).softmax(-1) * 2
+        shared, routed = shared * alpha[:, :1], routed * alpha[:, 1:]
+    gates = torch.cat([g for g in (shared, routed) if g is not None], dim=-1)
+    return gates.reshape(*x.shape[:-1], router.num_heads), loss
+
+
+@pytest.mark.parametrize("shared, top_k, two_stage, padded", [
+    (2, 2, True, False), (2, 2, True, True), (0, 3, True, False), (1, 2, True, False), (1, 2, False, True),
+    (3, 3, True, False), (6, 0, True, False), (2, 1, False, False),
+])
+def test_fused_router_equals_three_linear_formula(shared, top_k, two_stage, padded):
+    """One projection over the concatenated router weights and a hand-written backward: the same gates, loss and
+    gradients (input and every router weight) as the three linears with autograd, in training and evaluation."""
+    layer = make(num_shared_heads=shared, top_k=top_k, two_stage_routing=two_stage)
+    router = layer.router
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 13, DIM, generator=generator)
+    valid = torch.rand(3 * 13, generator=generator) > 0.3 if padded else None
+    weight = torch.randn(3, 13, HEADS, generator=generator)
+    for training in (True, False):
+        router.train(training)
+        results = []
+        for compute in (lambda t: (lambda out: (out.gates, out.load_balance_loss))(router(t, valid=valid)),
+                        lambda t: _three_linear_router(router, t, valid)):
+            inputs = x.clone().requires_grad_()
+            gates, loss = compute(inputs)
+            total = (gates * weight).sum() + (0.0 if loss is None else 0.37 * loss)
+            params = list(router.parameters())
+            grads = torch.autograd.grad(total, [inputs, *params])
+            results.append((gates, loss, grads))
+        (gates, loss, grads), (ref_gates, ref_loss, ref_grads) = results
+        torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
+        assert (loss is None) == (ref_loss is None) == (not training or top_k in (0, HEADS - shared))
+        if loss is not None:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for grad, ref_grad in zip(grads, ref_grads):
+            torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert [name for name, _ in router.named_parameters()] == [
+        name for name in ("shared_router.weight", "routed_router.weight", "type_router.weight")
+        if getattr(router, name.split(".")[0]) is not None]
+
+
+def test_fused_router_in_bfloat16_and_without_input_gradient():
+    layer = make(num_shared_heads=2, top_k=2).to(torch.bfloat16).train()
+    x = torch.randn(2, 9, DIM, dtype=torch.bfloat16)
+    out = layer.router(x)
+    assert out.gates.dtype == torch.bfloat16 and out.load_balance_loss.dtype == torch.bfloat16
+    (out.gates.float().square().sum() + out.load_balance_loss.float()).backward()   # x needs no gradient
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in layer.router.parameters())

@@ -33,11 +33,26 @@ def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.
     E times Eq. 7, and their beta = 0.01 weights that: so does this suite. Under torch.distributed with several
     processes, f_i counts the tokens of every rank while P_i stays local.
     """
-    num_routed = probs.shape[-1]
-    weight = probs.new_ones(probs.shape[0], 1) if valid is None else valid.to(probs.dtype)[:, None]
-    # Counts in float32: in bf16 a sum over more than 256 tokens would round.
-    counts = torch.cat([(selected.float() * weight.float()).sum(0), weight.float().sum()[None]])  # (E + 1,)
-    local_tokens = counts[-1].clamp_min(1.0).to(probs.dtype)
+    weight = None if valid is None else valid.to(probs.dtype)[:, None]
+    prob_sum = (probs if weight is None else probs * weight).sum(0)                   # (E,)
+    return _balance_loss(prob_sum, _selection_counts(selected, valid))
+
+
+def _selection_counts(selected: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(E + 1,) float32: tokens selecting each routed head of ``selected`` (T, E), then the token count.
+
+    Float32 because in bf16 a sum over more than 256 tokens would round.
+    """
+    if valid is None:
+        total = torch.full((1,), selected.shape[0], dtype=torch.float32, device=selected.device)
+        return torch.cat([selected.sum(0, dtype=torch.float32), total])
+    weight = valid.float()[:, None]
+    return torch.cat([(selected.float() * weight).sum(0), weight.sum(0)])
+
+
+def _balance_loss(prob_sum: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """E * sum_i f_i P_i from the routed scores summed over this process's tokens and ``_selection_counts``."""
+    local_tokens = counts[-1].clamp_min(1.0).to(prob_sum.dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         # f_i from global counts (no gradient flows through them) and P_i local: DDP averages the ranks'
@@ -46,15 +61,115 @@ def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.
         # global P_i). Every rank reaches this call in the same order, as DDP's own all-reduces do.
         counts = counts.detach().clone()
         torch.distributed.all_reduce(counts)
-    fraction = (counts[:-1] / counts[-1].clamp_min(1.0)).to(probs.dtype)
-    mean_prob = (probs * weight).sum(0) / local_tokens
-    return (fraction * mean_prob).sum() * num_routed
+    fraction = (counts[:-1] / counts[-1].clamp_min(1.0)).to(prob_sum.dtype)
+    return (fraction * (prob_sum / local_tokens)).sum() * prob_sum.shape[0]
 
 
-def _select_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Boolean (T, E) mask of each token's ``top_k`` highest-scoring routed heads."""
-    indices = probs.topk(top_k, dim=-1).indices
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, indices, True)
+def _select_top_k(probs: torch.Tensor, top_k: int, dim: int = -1) -> torch.Tensor:
+    """Boolean mask of each token's ``top_k`` highest-scoring routed heads, the heads along ``dim``."""
+    indices = probs.topk(top_k, dim=dim).indices
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(dim, indices, True)
+
+
+class _FusedRouting(torch.autograd.Function):
+    """``MoHRouter``'s gates from one projection, with a hand-written backward.
+
+    Inputs: tokens (T, C), the three routers' weights concatenated (R, C) in the order shared, routed, type (one
+    projection gives every logit), the valid-token mask (T,) or None, the layout (h_s, E, k, rows of the shared
+    router, rows of the type router) and whether to gather the load-balance statistics. Outputs: gates (T, h) and,
+    with the statistics, the routed scores summed over the valid tokens (E,) (differentiable) and
+    ``_selection_counts`` (E + 1,).
+
+    The logits are computed heads along rows and tokens along columns, (R, T) = W @ tokens^T: every softmax, the
+    top-k and the statistics then work on contiguous rows of T tokens (on CPU a softmax over a last dim of 2-6 entries
+    costs 20x one over the tokens, and W @ tokens^T half of tokens @ W^T), and the backward hands x a contiguous
+    gradient (autograd's transpose would hand a strided one, whose accumulation costs 10x). The gradient is the
+    formula's, written out: left to autograd, two dozen small operations on (<= h, T) tensors cost more in
+    per-operation overhead than in arithmetic. The renormalised top-k scores are computed as the softmax of the
+    selected logits alone, the same numbers (p_i / sum_selected p_j = exp(l_i) / sum_selected exp(l_j)), and the
+    top-k of the logits is the top-k of their softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, weight, valid, layout, stats):
+        shared_heads, routed_heads, top_k, shared_rows, type_rows = layout
+        rows = torch.mm(weight, tokens.mT)                                            # (R, T); autocast applies
+        # What the product really multiplied (autocast casts), for the backward's two products.
+        ctx.mm_inputs = (weight.to(rows.dtype), tokens.to(rows.dtype))
+        ctx.input_dtypes = (tokens.dtype, weight.dtype)
+        shared_logits, routed_logits, type_logits = rows.split([shared_rows, routed_heads, type_rows])
+        shared = shared_logits.softmax(0) if shared_rows else None                    # (h_s, T)
+        alpha = type_logits.softmax(0) if type_rows else None                         # (2, T)
+        selected = routed = probs = None
+        if routed_heads:
+            if top_k < routed_heads:
+                indices = routed_logits.topk(top_k, dim=0).indices
+                selected = torch.zeros_like(routed_logits, dtype=torch.bool).scatter_(0, indices, True)
+                routed = torch.where(selected, routed_logits, float("-inf")).softmax(0)   # (E, T)
+            else:
+                routed = routed_logits.softmax(0)
+        shared_scale, routed_scale = _group_scales(alpha, shared_heads, top_k)
+        groups = []
+        if shared_heads:
+            groups.append(shared * shared_scale if shared is not None
+                          else (shared_scale if alpha is not None else rows.new_ones(1, rows.shape[1])))
+        if routed is not None:
+            groups.append(routed * routed_scale)
+        gates = (groups[0] if len(groups) == 1 else torch.cat(groups)).mT.contiguous()    # (T, h)
+        outputs = (gates,)
+        weight_valid = None
+        if stats:
+            probs = routed_logits.softmax(0)
+            weight_valid = None if valid is None else valid.to(probs.dtype)
+            prob_sum = (probs if weight_valid is None else probs * weight_valid).sum(1)           # (E,)
+            counts = _selection_counts(selected.mT, valid)
+            ctx.mark_non_differentiable(counts)
+            outputs = (gates, prob_sum, counts)
+        ctx.layout = layout
+        ctx.save_for_backward(shared, routed, alpha, probs, weight_valid)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_gates, grad_prob_sum=None, grad_counts=None):
+        shared, routed, alpha, probs, weight_valid = ctx.saved_tensors
+        shared_heads, routed_heads, top_k, shared_rows, type_rows = ctx.layout
+        grad = grad_gates.mT.contiguous()                                             # (h, T)
+        grad_shared, grad_routed = grad.split([shared_heads, routed_heads])
+        shared_scale, routed_scale = _group_scales(alpha, shared_heads, top_k)
+        rows = []
+        # softmax backward, d l = p * (d p - sum p d p), with d p = scale * d gate and the scale factored out.
+        if shared is not None:
+            shared_dot = (shared * grad_shared).sum(0, keepdim=True)                  # (1, T)
+            rows.append(shared * shared_scale * (grad_shared - shared_dot))
+        if routed is not None:
+            routed_dot = (routed * grad_routed).sum(0, keepdim=True)
+            grad_logits = routed * routed_scale * (grad_routed - routed_dot)
+            if probs is not None and grad_prob_sum is not None:
+                grad_probs = grad_prob_sum[:, None] if weight_valid is None \
+                    else grad_prob_sum[:, None] * weight_valid
+                grad_logits = grad_logits + probs * (grad_probs - (probs * grad_probs).sum(0, keepdim=True))
+            rows.append(grad_logits)
+        if alpha is not None:
+            # gates = group * 2 alpha_i * (h_s or k): d alpha_i = 2 (h_s or k) sum_group group * d gate.
+            shared_dot = shared_dot if shared is not None else grad_shared
+            grad_alpha = torch.cat([shared_dot * (2.0 * shared_heads), routed_dot * (2.0 * top_k)])   # (2, T)
+            rows.append(alpha * (grad_alpha - (alpha * grad_alpha).sum(0, keepdim=True)))
+        weight, tokens = ctx.mm_inputs
+        ctx.mm_inputs = None
+        grad_logits = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(weight.dtype)         # (R, T)
+        grad_tokens = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_tokens = (grad_logits.mT @ weight).to(ctx.input_dtypes[0])           # (T, C), contiguous
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_logits @ tokens).to(ctx.input_dtypes[1])              # (R, C)
+        return grad_tokens, grad_weight, None, None, None
+
+
+def _group_scales(alpha: torch.Tensor | None, shared_heads: int, top_k: int):
+    """Scale of the shared and of the routed group's gates: h_s and k, times 2 alpha_1 and 2 alpha_2 (two-stage)."""
+    if alpha is None:
+        return float(shared_heads), float(top_k)
+    return alpha[:1] * (2.0 * shared_heads), alpha[1:] * (2.0 * top_k)
 
 
 class MoHRouter(nn.Module):
@@ -64,6 +179,10 @@ class MoHRouter(nn.Module):
     over them and multiplied by k; the two groups are weighted by 2 * alpha_1 and 2 * alpha_2 with
     [alpha_1, alpha_2] = softmax(W_h x). A uniform router therefore gives every active head gate 1, which is
     multi-head attention's plain sum. ``two_stage=False`` fixes alpha_1 = alpha_2 = 1/2 (the Tab. 6 ablation).
+
+    The three routers are one projection at run time (``_FusedRouting``): their weights are concatenated per call
+    and stay three parameters under their own names. The load-balance statistics are gathered only in training
+    and only when some routed head can be skipped (k < E).
     """
 
     def __init__(self, dim: int, num_heads: int, num_shared_heads: int, top_k: int, two_stage: bool = True,
@@ -82,25 +201,17 @@ class MoHRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, q: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> RouterOutput:
-        tokens = x.reshape(-1, x.shape[-1])                                           # (T, C)
-        loss = shared = routed = None
-        if self.num_shared_heads:
-            if self.shared_router is not None:
-                shared = self.shared_router(tokens).softmax(-1) * self.num_shared_heads
-            else:
-                shared = tokens.new_ones(tokens.shape[0], 1)
-        if self.routed_router is not None:
-            probs = self.routed_router(tokens).softmax(-1)                          # (T, E)
-            selected = _select_top_k(probs, self.top_k)
-            kept = probs * selected
-            routed = kept / kept.sum(-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps) * self.top_k
-            if self.training and self.top_k < self.num_routed_heads:
-                loss = load_balance_loss(probs, selected, valid)
-        if self.type_router is not None:
-            alpha = self.type_router(tokens).softmax(-1) * 2
-            shared, routed = shared * alpha[:, :1], routed * alpha[:, 1:]
-        groups = [g for g in (shared, routed) if g is not None]
-        gates = torch.cat(groups, dim=-1).reshape(*x.shape[:-1], self.num_heads)
+        linears = [lin for lin in (self.shared_router, self.routed_router, self.type_router) if lin is not None]
+        if not linears:                                                 # one shared head and nothing else
+            return RouterOutput(x.new_ones(*x.shape[:-1], self.num_heads), None)
+        weight = linears[0].weight if len(linears) == 1 else torch.cat([lin.weight for lin in linears])  # (R, C)
+        stats = self.training and self.top_k < self.num_routed_heads
+        layout = (self.num_shared_heads, self.num_routed_heads, self.top_k,
+                  self.num_shared_heads if self.shared_router is not None else 0,
+                  2 if self.type_router is not None else 0)
+        outputs = _FusedRouting.apply(x.reshape(-1, x.shape[-1]), weight, valid, layout, stats)
+        gates = outputs[0].reshape(*x.shape[:-1], self.num_heads)
+        loss = _balance_loss(outputs[1], outputs[2]) if stats else None
         return RouterOutput(gates, loss)
 
 
