@@ -3,6 +3,7 @@ the sample-grid callback and the latent cache."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,33 @@ def test_variational_bound_vanishes_for_the_true_posterior():
     assert (wrong["vb"] > 1e-4).all() and torch.allclose(wrong["mse"], torch.full((4,), 0.09))
     decoder = loss(torch.cat([noise, -torch.ones_like(x0)], 1), x0, x_t, torch.zeros(4, dtype=torch.long), noise)
     assert torch.isfinite(decoder["vb"]).all() and (decoder["vb"] >= 0).all()
+
+
+def test_variational_bound_matches_adm_formulas_for_a_wrong_prediction():
+    """The bound term for a model that is off (eps + 0.3, v = 0.2), against ADM's formulas re-computed in float64."""
+    task = ClassConditionalDiffusion(dit_t4_config(input_size=8, in_channels=1, num_classes=2))
+    torch.manual_seed(0)
+    x0 = torch.rand(3, 1, 8, 8, dtype=torch.float64) * 2 - 1
+    t = torch.tensor([1, 37, 800])
+    noise = torch.randn_like(x0)
+    betas = task.noise_scheduler.betas.double()
+    abar = torch.cumprod(1 - betas, 0)
+    abar_prev = torch.cat([torch.ones(1, dtype=torch.float64), abar[:-1]])
+    at = lambda v: v[t].reshape(-1, 1, 1, 1)  # noqa: E731
+    x_t = at(abar).sqrt() * x0 + (1 - at(abar)).sqrt() * noise
+    eps, v = noise + 0.3, torch.full_like(x0, 0.2)
+    posterior_var = betas * (1 - abar_prev) / (1 - abar)
+    min_log = torch.log(torch.cat([posterior_var[1:2], posterior_var[1:]]))
+    coef1, coef2 = betas * abar_prev.sqrt() / (1 - abar), (1 - abar_prev) * (1 - betas).sqrt() / (1 - abar)
+    true_mean = at(coef1) * x0 + at(coef2) * x_t
+    pred_x0 = (1 / at(abar)).sqrt() * x_t - (1 / at(abar) - 1).sqrt() * eps
+    model_mean = at(coef1) * pred_x0 + at(coef2) * x_t
+    model_log = (v + 1) / 2 * at(betas.log()) + (1 - (v + 1) / 2) * at(min_log)
+    kl = 0.5 * (-1 + model_log - at(min_log) + (at(min_log) - model_log).exp()
+                + (true_mean - model_mean) ** 2 * (-model_log).exp())
+    expected = kl.flatten(1).mean(1) / math.log(2.0)
+    got = task.criterion.variational_bound(x0.float(), x_t.float(), t, eps.float(), v.float())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-6)
 
 
 def _tiny_task(**kwargs) -> ClassConditionalDiffusion:
