@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moh_lightning.layers.budgets import check_head_budget
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
@@ -240,6 +241,54 @@ def pop_load_balance_loss(model: nn.Module) -> torch.Tensor | None:
     if not losses:
         return None
     return torch.stack(losses).mean()
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing per block: every entry of each ``blocks`` list in ``model`` recomputes its activations
+    in backward instead of keeping them (``torch.utils.checkpoint``, non-reentrant). Returns the number of blocks.
+
+    ViT, DiT and the decoder LM keep their blocks in ``model.blocks``, TransNeXt in each ``stages[i].blocks``. The
+    block's forward is replaced on the instance, so module names, the state dict and hooks stay as they were; calling
+    it again changes nothing. The recomputation in backward leaves the MoH layers' ``last_gates`` and
+    ``load_balance_loss`` as the forward set them (same values, but a popped loss stays popped).
+    """
+    blocks = [block for module in model.modules()
+              if isinstance(getattr(module, "blocks", None), (nn.ModuleList, nn.Sequential))
+              for block in module.blocks]
+    if not blocks:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no `blocks` list to checkpoint.")
+    for block in blocks:
+        if not isinstance(block.__dict__.get("forward"), _CheckpointedForward):
+            block.forward = _CheckpointedForward(block)
+    return len(blocks)
+
+
+class _CheckpointedForward:
+    """A module's own forward run through ``torch.utils.checkpoint`` whenever autograd records."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        forward = type(module).forward
+        if not torch.is_grad_enabled():
+            return forward(module, *args, **kwargs)
+        calls = []
+
+        def run(*inner_args, **inner_kwargs):
+            if not calls:
+                calls.append(True)
+                return forward(module, *inner_args, **inner_kwargs)
+            layers = [m for m in module.modules() if isinstance(m, MoHAttention)]
+            kept = [(m.last_gates, m.load_balance_loss) for m in layers]
+            try:  # the recomputation may stop early, once it has every tensor backward needs
+                return forward(module, *inner_args, **inner_kwargs)
+            finally:
+                for layer, (gates, loss) in zip(layers, kept):
+                    layer.last_gates, layer.load_balance_loss = gates, loss
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def activated_head_fraction(model: nn.Module) -> float:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
+from moh_lightning.layers.moh_attention import checkpoint_blocks
 
 # Layers whose weight matrices take weight decay; norms, biases, position embeddings and class tokens do not.
 DECAYED_LAYERS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
@@ -42,17 +43,42 @@ class MoHTask(LightningModule):
 
     Args:
         load_balance_beta: Weight beta of the load-balance loss (>= 0).
+        compile: Compile ``self.model`` with ``torch.compile`` (in place, so the state dict keeps its keys) when a
+            Trainer sets the task up; the first steps pay the compilation. Options in ``compile_kwargs``.
+        activation_checkpointing: Recompute each block's activations in backward instead of keeping them
+            (``torch.utils.checkpoint`` per entry of the model's ``blocks``, TransNeXt's per stage): less memory for
+            about a third more compute per step.
     """
 
     #: What ``head_load_groups`` returns, in words, for the dashboards' labels ("class", "source", ...).
     head_load_group_name: str = "group"
+    #: Keyword arguments of ``torch.compile`` when ``compile`` is on, e.g. ``{"mode": "max-autotune"}``.
+    compile_kwargs: dict = {}
 
-    def __init__(self, load_balance_beta: float = 0.01) -> None:
+    def __init__(self, load_balance_beta: float = 0.01, compile: bool = False,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__()
         if load_balance_beta < 0:
             raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
         self.load_balance_beta = load_balance_beta
+        self.compile_model = compile
+        self.activation_checkpointing = activation_checkpointing
         self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        """Activation checkpointing and ``torch.compile`` of ``self.model``, each applied once.
+
+        Lightning calls this before the strategy wraps the module. A task that builds its model here builds it first
+        and then calls ``super().configure_model()``. Compilation waits for a Trainer (``load_from_checkpoint`` calls
+        this hook too, and evaluation tools should not pay a compilation).
+        """
+        if self.model is None:
+            return
+        if self.activation_checkpointing:
+            checkpoint_blocks(self.model)
+        if self.compile_model and self._trainer is not None \
+                and getattr(self.model, "_compiled_call_impl", None) is None:
+            self.model.compile(**self.compile_kwargs)
 
     def head_load_groups(self, batch) -> torch.Tensor | None:
         """The group (B,) of each sample of ``batch`` for the per-group head-load views; None when it has none."""

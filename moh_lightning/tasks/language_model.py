@@ -74,17 +74,17 @@ class LanguageModel(MoHTask):
 
     def configure_model(self) -> None:
         # Called again by each fit / validate and by callbacks (EMA): build once.
-        if self.model is not None:
-            return
-        model = MoHLlama(self.config)
-        # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and evaluation
-        # restore the trained ones.
-        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-        if self.hparams.init_from_hf and fitting and self.trainer.ckpt_path is None:
-            from moh_lightning.models.convert_llama import load_hf_weights
+        if self.model is None:
+            model = MoHLlama(self.config)
+            # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and evaluation
+            # restore the trained ones.
+            fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+            if self.hparams.init_from_hf and fitting and self.trainer.ckpt_path is None:
+                from moh_lightning.models.convert_llama import load_hf_weights
 
-            load_hf_weights(model, self.hparams.init_from_hf)
-        self.model = model
+                load_hf_weights(model, self.hparams.init_from_hf)
+            self.model = model
+        super().configure_model()  # activation checkpointing / torch.compile (MoHTask), once
 
     def head_load_groups(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The mixture source of each sequence: head use is compared across corpora."""
