@@ -90,11 +90,12 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def ray_processes() -> list[str]:
+def ray_processes(before: set[int]) -> list[str]:
+    """The test process's live children that the sweep started (``before``: those earlier tests left, e.g. wandb's)."""
     time.sleep(0.5)
     deadline = time.time() + 15
     while True:
-        children = [p for p in psutil.Process().children(recursive=True) if p.is_running()
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
                     and p.status() != psutil.STATUS_ZOMBIE]
         if not children or time.time() > deadline:
             return [" ".join(p.cmdline()[:2]) for p in children]
@@ -115,6 +116,7 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps(GRID), "--seeds", json.dumps(SEEDS),
             "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
             "--extra_args", json.dumps(["--config", str(overlay)])]
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
     names = ["lr=0.002-seed=0", "lr=0.002-seed=1", "lr=0.01-seed=0", "lr=0.01-seed=1"]
     runs = out / "runs"
     # The last trial fails: a file stands where its run folder goes.
@@ -127,7 +129,7 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     monkeypatch.setenv(INTERRUPT, "1")
     with pytest.raises(Exception, match="interrupts the sweep"):
         cli.main(args)
-    assert ray_processes() == []
+    assert ray_processes(before) == []
     assert not (out / "results.md").exists()
     first = run_state(runs / names[0])
     assert first["versions"] == ["version_0"] and "version_0/config.yaml" in first["files"]
@@ -137,7 +139,7 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     # 2. The same command: the finished trial is not trained again; the blocked one fails, the others finish.
     monkeypatch.delenv(INTERRUPT)
     cli.main(args)
-    assert ray_processes() == []
+    assert ray_processes(before) == []
     assert run_state(runs / names[0]) == first
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
     assert list(trials) == names
@@ -164,7 +166,7 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     # 3. The same command without retrying failures, reporting another metric: nothing runs, the report is rewritten.
     done = {name: run_state(runs / name) for name in names}
     cli.main(args + ["--retry_failed", "false", "--metric", "train/loss", "--mode", "min"])
-    assert ray_processes() == []
+    assert ray_processes(before) == []
     assert {name: run_state(runs / name) for name in names} == done
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
     assert [trials[n]["status"] for n in names] == ["finished", "finished", "finished", "failed"]
