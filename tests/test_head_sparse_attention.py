@@ -179,3 +179,63 @@ def test_bench_quick_writes_report(tmp_path):
     text = report.read_text()
     assert "| bidirectional" in text and "## KV-cache decoding" in text and "## Targets" in text
     assert (tmp_path / "bench.png").is_file()
+
+
+@pytest.mark.parametrize("length, num_keys", [(300, 300), (200, 260)])
+def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_keys):
+    """The CPU causal path over several blocks: the keys before each block's first position in one unmasked call,
+    the staircase by chunks, merged by log-sum-exp; forward and the flash kernel's backward per part."""
+    import moh_lightning.layers.head_sparse_attention as hsa
+
+    monkeypatch.setattr(hsa, "CAUSAL_CHUNK", 16)
+    monkeypatch.setattr(hsa, "STAIRCASE_BLOCK", 32)
+    plans = []
+    plan = hsa._staircase_plan
+    monkeypatch.setattr(hsa, "_staircase_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 8, length, 16, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, 8, num_keys, 16, generator=generator, requires_grad=True) for _ in range(2))
+    top = torch.randn(2, length, 6, generator=generator).topk(2, dim=-1).indices
+    on = torch.cat([torch.ones(2, length, 2), torch.zeros(2, length, 6).scatter(-1, top, 1.0)], dim=-1)
+    gates = on * (torch.rand(2, length, 8, generator=generator) + 0.5)
+    offset = num_keys - length
+    out = head_sparse_attention(q, k, v, gates, 2, causal=True, offset=offset)
+    assert plans and sum(first > 0 for _, _, first, _ in plans[0]) >= 2   # several blocks with unmasked keys
+    ref = _reference(q, k, v, gates, True, offset, None)
+    torch.testing.assert_close(out, ref, **TOL)
+    weight = torch.randn(ref.shape, generator=generator)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, **TOL)
+
+
+@pytest.mark.parametrize("num_kv_heads, padded, active", [(8, False, 4), (4, True, None), (2, False, 6)])
+def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, active):
+    """The device path of decoding (one batched call over gathered heads, no loop, no host read when the layer
+    gives its number of active heads) equals the CPU's per-pair path and the dense-and-mask formulation."""
+    from moh_lightning.layers.head_sparse_attention import _decode_batched, _decode_pairs
+
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 8, 1, 16, generator=generator)
+    k, v = (torch.randn(3, num_kv_heads, 50, 16, generator=generator) for _ in range(2))
+    top = torch.randn(3, 1, 6, generator=generator).topk(2, dim=-1).indices
+    on = torch.cat([torch.ones(3, 1, 2), torch.zeros(3, 1, 6).scatter(-1, top, 1.0)], dim=-1)
+    gates = on * (torch.rand(3, 1, 8, generator=generator) + 0.5)
+    padding = None
+    key_bias = None
+    if padded:
+        padding = torch.ones(3, 50, dtype=torch.bool)
+        padding[1, -7:] = False
+        key_bias = torch.where(padding[:, None, None], 0.0, float("-inf"))
+    group = 8 // num_kv_heads
+    batched = _decode_batched(q, k, v, gates, group, key_bias, active)
+    torch.testing.assert_close(batched, _decode_pairs(q, k, v, gates, group, key_bias), **TOL)
+    torch.testing.assert_close(batched, _reference(q, k, v, gates, True, 49, padding), **TOL)
+
+
+def test_auto_decodes_dense_off_the_cpu():
+    assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True, device_type="cpu")
+    assert not use_head_sparse("auto", 1, 4096, 0.5, decoding=True, device_type="cuda")
+    assert use_head_sparse("sparse", 1, 4096, 0.5, decoding=True, device_type="cuda")
+    assert use_head_sparse("auto", 4096, 4096, 0.5, decoding=False, device_type="cuda")

@@ -176,7 +176,7 @@ class MoHAttention(nn.Module):
         if gates is not None and self._head_sparse(gates, length, k.shape[2], kv_cache is not None):
             out = head_sparse_attention(q, k, v, gates.to(q.dtype), self.router.num_shared_heads, causal=causal,
                                         offset=offset, key_padding_mask=padding_mask, attn_mask=attn_mask,
-                                        dropout_p=dropout_p)                           # (B, N, h, d)
+                                        dropout_p=dropout_p, active_heads=self.active_heads)   # (B, N, h, d)
         else:
             mask = _attention_mask(attn_mask, padding_mask, causal, length, k.shape[2], offset, x.device)
             out = F.scaled_dot_product_attention(
@@ -197,7 +197,8 @@ class MoHAttention(nn.Module):
                 raise ValueError("execution='sparse' cannot train the query_norm router: its straight-through "
                                  "gradient needs every head's output. Use execution='auto' or 'dense'.")
             return False
-        return use_head_sparse(self.execution, num_queries, num_keys, self.active_heads / self.num_heads, decoding)
+        return use_head_sparse(self.execution, num_queries, num_keys, self.active_heads / self.num_heads, decoding,
+                               gates.device.type)
 
 
 def _attention_mask(attn_mask: torch.Tensor | None, padding_mask: torch.Tensor | None, causal: bool,
