@@ -312,7 +312,6 @@ class _CausalStaircase(torch.autograd.Function):
                 dk[:, :, key_start:key_end] += gk
                 dv[:, :, key_start:key_end] += gv
         ctx.plan = None
-        del q_sel, grad
         sequence, head = _slot_index(q)
         grad_q = torch.zeros_like(q).index_put_((sequence, head, slots), dq, accumulate=True)
         return grad_q, dk, dv, None, None, None, None
