@@ -23,7 +23,7 @@ from moh_lightning.data.text import (
     load_tokenizer,
     tokenize_source,
 )
-from moh_lightning.layers import activated_head_fraction
+from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, sample
 from moh_lightning.tasks.language_model import LanguageModel, warmup_cosine
@@ -56,7 +56,11 @@ def test_forward_backward_reach_every_parameter(name, num_kv_heads):
     idx = torch.randint(0, 259, (2, 16))
     logits = model(idx)
     assert logits.shape == (2, 16, 259) and torch.isfinite(logits).all()
-    logits.logsumexp(-1).mean().backward()
+    # The training loss: with top-1 routing the renormalised routed gate is exactly 1, so the routed router learns
+    # from the load-balance loss alone (as in the authors' code), not from the logits.
+    loss = logits.logsumexp(-1).mean()
+    balance = pop_load_balance_loss(model)
+    (loss if balance is None else loss + 0.01 * balance).backward()
     silent = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not silent
 
