@@ -41,7 +41,7 @@ _DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGE
 
 def sweep(
         fit_config: str,
-        grid: dict[str, list] | None = None,
+        grid: dict[str, list | dict[str, Any]] | None = None,
         seeds: list[int] = [0, 1, 2],
         metric: str = "val/loss",
         mode: Literal["min", "max"] = "min",
@@ -76,7 +76,9 @@ def sweep(
     Args:
         fit_config: The `moh fit` config: a YAML path, or the name of a shipped config (`llm_stdlib_75.yaml`).
         grid: Override key -> values, e.g. `{"model.init_args.lr": [1e-3, 2e-3]}`; the cells are every
-            combination. None: the config as is, over seeds only.
+            combination. A mapping instead of a list names its values: `{"model.init_args.arch.moh": {"dense":
+            null, "75%": {"num_shared_heads": 4, "top_k": 2}}}` labels trials and table rows `dense` / `75%`.
+            None: the config as is, over seeds only.
         seeds: `seed_everything` values; every cell runs every seed.
         metric: The logged metric of the table's comparison and of the plot (any key of `callback_metrics`).
         mode: `min` or `max`: which direction of `metric` is better (marks the best cell).
@@ -97,24 +99,24 @@ def sweep(
             (e.g. `["--trainer.max_steps", "200"]`).
     """
     config_path = Path(resolve_config(fit_config)).resolve()
-    cells = _cells(grid)
+    cells, shown = _cells(grid)
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise SystemExit(f"moh sweep: --seeds {seeds} must be distinct and at least one.")
     if max_concurrent < 1:
         raise SystemExit(f"moh sweep: --max_concurrent {max_concurrent} must be at least 1.")
-    base = _baseline_index(cells, baseline)
+    base = _baseline_index(cells, shown, baseline)
     out_dir = Path(out if out is not None else Path("sweeps") / config_path.stem).resolve()
-    names = trial_names(cells, seeds)
+    names = trial_names(shown, seeds)
     trials = [{"name": names[c, s], "cell": c, "seed": seed, "overrides": cell}
               for c, cell in enumerate(cells) for s, seed in enumerate(seeds)]
-    _check_spec(out_dir, {"fit_config": str(config_path), "grid": {k: list(v) for k, v in (grid or {}).items()},
+    _check_spec(out_dir, {"fit_config": str(config_path), "grid": grid or {},
                           "seeds": seeds, "extra_args": list(extra_args)})
 
     with _environ(_DRIVER_ENV):
         results = _run_on_tune(trials, config_path, out_dir, address, max_concurrent, cpus_per_trial,
                                gpus_per_trial, retry_failed, reuse_workers, list(extra_args))
-    paths = write_report(out_dir, results, cells, seeds, metric, mode, base, title=config_path.name)
+    paths = write_report(out_dir, results, shown, seeds, metric, mode, base, title=config_path.name)
     counts = {s: sum(r.status == s for r in results) for s in (STATUS_FINISHED, STATUS_FAILED, STATUS_UNFINISHED)}
     print(f"moh sweep: {counts[STATUS_FINISHED]} finished, {counts[STATUS_FAILED]} failed, "
           f"{counts[STATUS_UNFINISHED]} unfinished of {len(results)} trials; {paths['markdown']}", file=sys.stderr)
@@ -126,15 +128,21 @@ def sweep(
 
 # ----------------------------------------------------------------------------------------------- the grid
 
-def _cells(grid: dict[str, list] | None) -> list[dict[str, Any]]:
-    """Every combination of the grid's values, in the grid's order (the last key varies fastest)."""
+def _cells(grid: dict[str, list | dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every combination of the grid's values, in the grid's order (the last key varies fastest): the override
+    values, and the same cells as shown in trial names and tables (a named value by its name)."""
     grid = {key.removeprefix("--"): values for key, values in (grid or {}).items()}
+    choices = {}
     for key, values in grid.items():
-        if not isinstance(values, (list, tuple)) or not values:
-            raise SystemExit(f"moh sweep: --grid {key!r} needs a non-empty list of values, got {values!r}.")
+        if not isinstance(values, (list, tuple, dict)) or not values:
+            raise SystemExit(f"moh sweep: --grid {key!r} needs a non-empty list of values (or a mapping of named "
+                             f"values), got {values!r}.")
         if key in ("seed_everything", "config", "ckpt_path") or key.startswith("trainer.logger"):
             raise SystemExit(f"moh sweep: --grid {key!r} is set by the sweep itself (seeds: --seeds).")
-    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+        choices[key] = list(values.items()) if isinstance(values, dict) else [(value, value) for value in values]
+    combos = list(itertools.product(*choices.values()))
+    return ([{key: value for key, (_, value) in zip(choices, combo)} for combo in combos],
+            [{key: shown for key, (shown, _) in zip(choices, combo)} for combo in combos])
 
 
 def cli_value(value: Any) -> str:
@@ -166,14 +174,16 @@ def trial_names(cells: list[dict[str, Any]], seeds: list[int]) -> dict[tuple[int
     return names
 
 
-def _baseline_index(cells: list[dict[str, Any]], baseline: dict[str, Any] | None) -> int:
+def _baseline_index(cells: list[dict[str, Any]], shown: list[dict[str, Any]], baseline: dict[str, Any] | None) -> int:
+    """The cell ``baseline`` names, by override values or by the names of named values."""
     if not baseline:
         return 0
     baseline = {key.removeprefix("--"): value for key, value in baseline.items()}
     unknown = set(baseline) - set(cells[0])
     if unknown:
         raise SystemExit(f"moh sweep: --baseline keys {sorted(unknown)} are not grid keys {list(cells[0])}.")
-    match = [c for c, cell in enumerate(cells) if all(cli_value(cell[k]) == cli_value(v) for k, v in baseline.items())]
+    match = [c for c, (cell, names) in enumerate(zip(cells, shown))
+             if all(cli_value(v) in (cli_value(cell[k]), cli_value(names[k])) for k, v in baseline.items())]
     if len(match) != 1:
         raise SystemExit(f"moh sweep: --baseline {baseline} matches {len(match)} grid cells; it must name one.")
     return match[0]
