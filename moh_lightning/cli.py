@@ -10,6 +10,7 @@ not Trainer loops (sampling, generation, evaluation, benchmarks, sweeps) are pla
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import sys
@@ -105,6 +106,32 @@ def expand_config(value: str, seen: tuple[str, ...] = ()) -> list[str]:
     return out + [yaml.safe_dump(content, sort_keys=False)] if content else out
 
 
+_NULLABLE_GROUPS = (".moh",)  # dataclass-typed options whose value may be null: `arch.moh: null` is the dense baseline
+
+
+def null_group_args(args: Sequence[str]) -> list[str]:
+    """``--<parent>.moh null`` as ``--<parent> '{"moh": null}'``.
+
+    jsonargparse reads a nested dataclass option inside a subclass's ``init_args`` as a config-file path, so
+    ``--model.init_args.arch.moh null`` fails ("Expected a dot import path string", jsonargparse issue #823); the
+    same value given to the parent merges into it.
+    """
+    out, args = [], list(args)
+    i = 0
+    while i < len(args):
+        flag, sep, value = args[i].partition("=")
+        if not sep and i + 1 < len(args):
+            value = args[i + 1]
+        if flag.startswith("--") and flag.endswith(_NULLABLE_GROUPS) and value.strip().lower() in ("null", "none", "~"):
+            parent, _, key = flag.rpartition(".")
+            out += [parent, json.dumps({key: None})]
+            i += 1 if sep else 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
 def resolve_config_args(args: Sequence[str]) -> list[str]:
     """Rewrites every ``--config NAME`` / ``--config=NAME`` into the stacked configs it stands for."""
     out, args = [], list(args)
@@ -197,7 +224,7 @@ class MoHLightningCLI(LightningCLI):
             save_config_kwargs={"overwrite": True},
             parser_class=OneLineErrorParser,
             trainer_defaults=TRAINER_DEFAULTS,
-            args=resolve_config_args(given),
+            args=null_group_args(resolve_config_args(given)),
             run=run,
         )
 

@@ -43,7 +43,7 @@ def test_every_study_cell_builds_the_budget_it_is_named_after(name):
         model = cli.model.model
         # The cell changes the head budget only: the override merges into the config's arch.
         assert _arch_without_moh(cli) == _arch_without_moh(_built(study, {}))
-        label = label["model.init_args.arch"]
+        label = label["model.init_args.arch.moh"]
         percent = re.match(r"moh-(\d+)", label)
         routers = [m.router for m in model.modules() if isinstance(m, MoHAttention) and m.is_moh]
         assert bool(routers) == bool(percent), (name, label)
