@@ -23,6 +23,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, StepCheckpoint
+from moh_lightning.configs import expand_config
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
@@ -52,58 +53,6 @@ TRAINER_DEFAULTS = {
                # placeholder hp_metric (-1) would only add an empty chart.
                "init_args": {"save_dir": "runs", "name": None, "default_hp_metric": False}},
 }
-
-
-def config_dir() -> Path:
-    """The shipped ``cli_configs/``: installed with the package, or beside it in a source checkout."""
-    packaged = Path(__file__).resolve().parent / "cli_configs"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parent.parent / "cli_configs"
-
-
-def shipped_configs() -> list[str]:
-    """Names of the shipped experiment configs (the overlays and the recipes they extend are not experiments)."""
-    return sorted(p.name for p in config_dir().glob("*.yaml") if p.name not in OVERLAYS)
-
-
-OVERLAYS = ("multi_gpu.yaml", "fsdp.yaml")
-
-
-def resolve_config(value: str, beside: Path | None = None) -> str:
-    """A path as given when it exists (or beside the config that names it), else the shipped config of that name."""
-    candidates = [Path(value)] + ([beside / value] if beside is not None else [])
-    for candidate in candidates:
-        if candidate.is_file():
-            return str(candidate)
-    shipped = config_dir() / value
-    if not shipped.suffix:
-        shipped = shipped.with_suffix(".yaml")
-    if shipped.is_file():
-        return str(shipped)
-    raise SystemExit(f"moh: --config {value}: no such file here nor in the shipped configs "
-                     f"({', '.join(shipped_configs())}).")
-
-
-def expand_config(value: str, seen: tuple[str, ...] = ()) -> list[str]:
-    """``--config`` values for one config: the configs it ``extends`` (recursively), then its own keys.
-
-    LightningCLI deep-merges stacked ``--config`` files, but a single file cannot name the file it builds on:
-    jsonargparse's own ``config:`` key inside a file replaces whole groups instead of merging them. So ``extends``
-    is read here and becomes stacked ``--config`` arguments.
-    """
-    path = resolve_config(value, beside=Path(seen[-1]).parent if seen else None)
-    if path in seen:
-        raise SystemExit(f"moh: config {path} extends itself (through {' -> '.join(seen)}).")
-    content = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(content, dict) or "extends" not in content:
-        return [path]
-    bases = content.pop("extends")
-    out = []
-    for base in [bases] if isinstance(bases, str) else bases:
-        out += expand_config(base, (*seen, path))
-    # The file's own keys, passed as config text (jsonargparse reads a --config value that is not a path as YAML).
-    return out + [yaml.safe_dump(content, sort_keys=False)] if content else out
 
 
 _NULLABLE_GROUPS = (".moh",)  # dataclass-typed options whose value may be null: `arch.moh: null` is the dense baseline

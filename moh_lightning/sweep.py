@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from moh_lightning.cli import main, resolve_config
+from moh_lightning.cli import main
+from moh_lightning.configs import resolve_config
 from moh_lightning.tools.sweep_report import (
     STATUS_FAILED,
     STATUS_FINISHED,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from moh_lightning.cli import resolve_config
+from moh_lightning.configs import resolve_config
 from moh_lightning.tools.digit_quality import digit_quality
 from moh_lightning.tools.sample import sample
 from moh_lightning.tools.sweep_report import STATUS_FINISHED, TrialResult, write_report

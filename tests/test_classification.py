@@ -9,7 +9,8 @@ import yaml
 from conftest import class_of
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from moh_lightning.cli import MoHLightningCLI, config_dir, main, resolve_config
+from moh_lightning.cli import MoHLightningCLI, main
+from moh_lightning.configs import config_dir, resolve_config
 from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, load_mnist_5k
 from moh_lightning.layers import activated_head_fraction
 from moh_lightning.layers.moh_config import MoHConfig

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from resolved_settings import settings
 
-from moh_lightning.cli import config_dir, main, shipped_configs
+from moh_lightning.cli import main
+from moh_lightning.configs import config_dir, shipped_configs
 
 MAIN = json.loads((Path(__file__).parent / "data" / "main_settings.json").read_text())
 

@@ -12,7 +12,8 @@ import torch
 from conftest import printed_config
 from models import dit_t4_config
 
-from moh_lightning.cli import config_dir, main
+from moh_lightning.cli import main
+from moh_lightning.configs import config_dir
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.layers import MoHAttention, activated_head_fraction
 from moh_lightning.layers.moh_config import MoHConfig

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
-from moh_lightning.cli import MoHLightningCLI, resolve_config
+from moh_lightning.cli import MoHLightningCLI
+from moh_lightning.configs import resolve_config
 
 STEPS = 9
 COMMON = ["--trainer.deterministic=true", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from moh_lightning import MoHAttention, checkpoint_io
 from moh_lightning.callbacks import FiniteLossGuard, HeadLoadCallback, StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
-from moh_lightning.cli import MoHLightningCLI, main, resolve_config
+from moh_lightning.cli import MoHLightningCLI, main
+from moh_lightning.configs import resolve_config
 from moh_lightning.data.images import ImageFolderDataModule
 
 # Small, fast runs of the embedded config (2 layers, 16 images a batch, no validation) with every random

@@ -8,7 +8,8 @@ import pytest
 import torch
 import yaml
 
-from moh_lightning.cli import MoHLightningCLI, config_dir
+from moh_lightning.cli import MoHLightningCLI
+from moh_lightning.configs import config_dir
 from moh_lightning.layers import MoHAttention, activated_head_fraction
 from moh_lightning.sweep import _cells, cli_value
 

@@ -37,8 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import yaml
 
+from moh_lightning.configs import load_config
 from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
@@ -149,38 +149,9 @@ def _few(names: list[str], count: int = 6) -> str:
 
 
 def experiment_init_args(experiment: str) -> dict:
-    """The merged ``model`` / ``data`` sections of an experiment config, the configs it ``extends`` first.
-
-    Resolved as ``moh fit --config`` resolves it (a file, else the shipped config of that name; ``extends`` beside the
-    file or shipped; later configs deep-merged over earlier ones). Re-done here because tools sit below the ``moh``
-    command in the house and may not import it.
-    """
-    import moh_lightning
-
-    package = Path(moh_lightning.__file__).resolve().parent
-    shipped = package / "cli_configs" if (package / "cli_configs").is_dir() else package.parent / "cli_configs"
-
-    def load(value: str, beside: Path | None) -> dict:
-        candidates = [Path(value), *([beside / value] if beside else []), shipped / value,
-                      (shipped / value).with_suffix(".yaml")]
-        path = next((c for c in candidates if c.is_file()), None)
-        if path is None:
-            raise FileNotFoundError(f"--experiment {value}: no such file here nor in the shipped configs.")
-        content = yaml.safe_load(path.read_text()) or {}
-        bases = content.pop("extends", [])
-        merged = {}
-        for base in [bases] if isinstance(bases, str) else bases:
-            merged = _deep_merge(merged, load(base, path.parent))
-        return _deep_merge(merged, content)
-
-    return load(experiment, None)
-
-
-def _deep_merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    """The merged ``model`` / ``data`` sections of an experiment config, the configs it ``extends`` first (resolved as
+    ``moh fit --config`` resolves it: a file, else the shipped config of that name)."""
+    return load_config(experiment)
 
 
 @contextmanager

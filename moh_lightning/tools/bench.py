@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from moh_lightning.configs import load_config
 from moh_lightning.layers import KVCache, MoHAttention, MoHRouter, pop_load_balance_loss
 from moh_lightning.layers.head_sparse_attention import _decode_batched, head_sparse_attention
 from moh_lightning.layers.moh_attention import checkpoint_blocks
@@ -474,30 +474,10 @@ def _decode_section(report: Report, timer: Clock, caches, fractions, repeats, wa
                   "layer tokens/s"], rows)
 
 
-def _config_dir() -> Path:
-    """The shipped ``cli_configs/`` (installed with the package, or beside it in a source checkout)."""
-    packaged = Path(__file__).resolve().parent.parent / "cli_configs"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent.parent / "cli_configs"
-
-
 def _shipped_arch(name: str) -> dict:
     """``model.init_args.arch`` of a shipped config with everything it ``extends`` deep-merged under it."""
-    def load(path: Path) -> dict:
-        content = yaml.safe_load(path.read_text()) or {}
-        bases = content.pop("extends", [])
-        merged: dict = {}
-        for base in [bases] if isinstance(bases, str) else bases:
-            merged = _merge(merged, load(path.parent / base))
-        return _merge(merged, content)
-    config = load(_config_dir() / f"{name}.yaml")
+    config = load_config(f"{name}.yaml")
     return ((config.get("model") or {}).get("init_args") or {}).get("arch") or {}
-
-
-def _merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def _model_step_parts(name: str, batch: int, device: torch.device, seq_len: int | None = None):
