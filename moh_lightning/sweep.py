@@ -100,7 +100,7 @@ def sweep(
             (e.g. `["--trainer.max_steps", "200"]`).
     """
     config_path = Path(resolve_config(fit_config)).resolve()
-    cells, shown = _cells(grid)
+    cells, shown = grid_cells(grid)
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise SystemExit(f"moh sweep: --seeds {seeds} must be distinct and at least one.")
@@ -129,7 +129,7 @@ def sweep(
 
 # ----------------------------------------------------------------------------------------------- the grid
 
-def _cells(grid: dict[str, list | dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def grid_cells(grid: dict[str, list | dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every combination of the grid's values, in the grid's order (the last key varies fastest): the override
     values, and the same cells as shown in trial names and tables (a named value by its name)."""
     grid = {key.removeprefix("--"): values for key, values in (grid or {}).items()}

@@ -11,7 +11,7 @@ import yaml
 from moh_lightning.cli import MoHLightningCLI
 from moh_lightning.configs import config_dir
 from moh_lightning.layers import MoHAttention, activated_head_fraction
-from moh_lightning.sweep import _cells, cli_value
+from moh_lightning.sweep import cli_value, grid_cells
 
 STUDIES = sorted(p.name for p in (config_dir() / "studies").glob("*.yaml"))
 
@@ -37,7 +37,7 @@ def _arch_without_moh(cli) -> dict:
 @pytest.mark.parametrize("name", STUDIES)
 def test_every_study_cell_builds_the_budget_it_is_named_after(name):
     study = yaml.safe_load((config_dir() / "studies" / name).read_text())
-    cells, shown = _cells(study["grid"])
+    cells, shown = grid_cells(study["grid"])
     assert len(study["seeds"]) >= 3
     for cell, label in zip(cells, shown):
         cli = _built(study, cell)

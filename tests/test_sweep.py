@@ -26,7 +26,7 @@ from ray.tune import Callback
 
 from moh_lightning import cli
 from moh_lightning import sweep as sweep_tool
-from moh_lightning.sweep import _baseline_index, _cells, cli_value, trial_names
+from moh_lightning.sweep import _baseline_index, cli_value, grid_cells, trial_names
 from moh_lightning.tools.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
 # The only place naming `moh fit` config keys: the shipped embedded LM config, made tiny by one overlay. When keys
@@ -202,7 +202,7 @@ def test_trial_names_and_override_values() -> None:
 
 def test_named_grid_values_label_trials_and_rows_but_override_with_their_values() -> None:
     moh75 = {"num_shared_heads": 4, "top_k": 2}
-    cells, shown = _cells({"model.init_args.arch.moh": {"dense": None, "75%": moh75}, "model.init_args.lr": [1e-3]})
+    cells, shown = grid_cells({"model.init_args.arch.moh": {"dense": None, "75%": moh75}, "model.init_args.lr": [1e-3]})
     assert cells == [{"model.init_args.arch.moh": None, "model.init_args.lr": 1e-3},
                      {"model.init_args.arch.moh": moh75, "model.init_args.lr": 1e-3}]
     assert [c["model.init_args.arch.moh"] for c in shown] == ["dense", "75%"]
