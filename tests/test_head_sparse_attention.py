@@ -157,12 +157,24 @@ def test_query_norm_router_sparse_at_inference_dense_in_training():
     torch.testing.assert_close(sparse(x), dense(x), **TOL)
 
 
-def test_auto_chooses_from_shapes():
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op thread count for one test (``auto`` reads it), then restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_auto_chooses_from_shapes(threads):
+    threads(1)
     assert not use_head_sparse("auto", 197, 197, 0.5, decoding=False)       # ViT-S: attention is cheap
     assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
     assert not use_head_sparse("auto", 1024, 1024, 7 / 8, decoding=False)   # one skipped head of 8
     assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True)
-    assert not use_head_sparse("auto", 1, 128, 0.5, decoding=True)
+    assert not use_head_sparse("auto", 1, 1024, 0.5, decoding=True)        # the layer 0.96x there
+    threads(2)
+    assert not use_head_sparse("auto", 1, 4096, 0.5, decoding=True)        # dense decoding uses both cores
+    assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
     assert not use_head_sparse("auto", 4096, 4096, 1.0, decoding=False)
     assert use_head_sparse("sparse", 8, 8, 1.0, decoding=False)
     assert not use_head_sparse("dense", 4096, 4096, 0.5, decoding=False)
@@ -234,7 +246,8 @@ def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, a
     torch.testing.assert_close(batched, _reference(q, k, v, gates, True, 49, padding), **TOL)
 
 
-def test_auto_decodes_dense_off_the_cpu():
+def test_auto_decodes_dense_off_the_cpu(threads):
+    threads(1)
     assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True, device_type="cpu")
     assert not use_head_sparse("auto", 1, 4096, 0.5, decoding=True, device_type="cuda")
     assert use_head_sparse("sparse", 1, 4096, 0.5, decoding=True, device_type="cuda")

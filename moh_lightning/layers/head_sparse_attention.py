@@ -33,12 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Where the head-sparse path wins, measured on CPU by `moh bench` (2 shared of 8 heads, random routing):
-# from ~512 queries at <= 75% active heads (at 256 it breaks even, at 7 of 8 heads gathering costs what the
-# skipped head saves), and for a decoding token from ~1024 cached keys.
+# Where the head-sparse path wins, measured on CPU by `moh bench` with 1 and 2 threads (2 shared of 8 heads,
+# random routing): from ~512 queries at <= 75% active heads (at 256 it breaks even, at 7 of 8 heads gathering
+# costs what the skipped head saves); for a decoding token only single-threaded, from a 4096-key cache (the
+# layer 1.06-1.50x there, 0.77-0.96x at 1024). With 2 threads dense decoding splits its cache reads over the
+# cores while the per-pair products of `_decode_pairs` barely do (layer 0.63-0.88x at 4096).
 MIN_SPARSE_QUERIES = 512
 MAX_SPARSE_FRACTION = 0.8
-MIN_SPARSE_DECODE_KEYS = 1024
+MIN_SPARSE_DECODE_KEYS = 4096
 # Rows of gathered queries per causal chunk: smaller chunks waste less of each chunk's diagonal block,
 # larger ones make fewer SDPA calls.
 CAUSAL_CHUNK = 64
@@ -61,15 +63,16 @@ def use_head_sparse(execution: str, num_queries: int, num_keys: int, active_frac
                     decoding: bool, device_type: str = "cpu") -> bool:
     """Whether to run the head-sparse path: forced by ``execution``, else chosen from the shapes.
 
-    Off the CPU, ``auto`` decodes dense-and-mask: the batched decode copies the selected heads' cache rows before
-    reading them, 1.5x dense attention's memory traffic at half the heads, and decoding is memory-bound.
+    ``auto`` decodes head-sparse only on one CPU thread (see ``MIN_SPARSE_DECODE_KEYS``). Off the CPU it decodes
+    dense-and-mask: the batched decode copies the selected heads' cache rows before reading them, 1.5x dense
+    attention's memory traffic at half the heads, and decoding is memory-bound.
     """
     if execution != "auto":
         return execution == "sparse"
     if active_fraction >= 1.0:
         return False
     if decoding and num_queries == 1:
-        return device_type == "cpu" and num_keys >= MIN_SPARSE_DECODE_KEYS
+        return device_type == "cpu" and torch.get_num_threads() == 1 and num_keys >= MIN_SPARSE_DECODE_KEYS
     return num_queries >= MIN_SPARSE_QUERIES and active_fraction <= MAX_SPARSE_FRACTION
 
 
