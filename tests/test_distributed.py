@@ -157,3 +157,46 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     losses = _logged_scalars(run, "train/loss")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert all(math.isfinite(v) for v in _logged_scalars(run, "val/loss"))
+
+
+def _text_data(folder: Path):
+    from moh_lightning.data.text import TextDataModule, TextSource
+    _write_text_corpus(folder / "corpus")
+    return TextDataModule(sources=[TextSource(path=str(folder / "corpus"), val_fraction=0.2)], seq_len=32,
+                          batch_size=2, cache_dir=str(folder / "cache"))
+
+
+def _mnist_data(folder: Path):
+    from moh_lightning.data.images import MNISTDataModule
+    return MNISTDataModule(batch_size=64)
+
+
+@pytest.mark.parametrize("make_data", [_text_data, _mnist_data], ids=["text", "mnist"])
+def test_each_rank_resumes_its_own_share_of_the_epoch(make_data, tmp_path, monkeypatch):
+    """Under DDP each rank's loader serves its own share of one seeded permutation, through a ``DistributedSampler``
+    (which Lightning keeps; any other sampler it wraps in a stateless one that reshuffles on resume), and its state
+    brings back the rank's place: the batches after a mid-epoch checkpoint are the uninterrupted rank's."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    data = make_data(tmp_path)
+    data.prepare_data()
+    data.setup("fit")
+    # The order, not the augmentations (the main process's random streams, which ExactResumeCallback restores).
+    first = lambda batch: batch["tokens"] if isinstance(batch, dict) else batch[1]   # noqa: E731
+    shares = []
+    for rank in (0, 1):
+        data.trainer = type("Trainer", (), {"world_size": 2, "global_rank": rank})()
+        loader = data.train_dataloader()
+        assert isinstance(loader.sampler, DistributedSampler)
+        assert (loader.sampler.num_replicas, loader.sampler.rank) == (2, rank)
+        shares.append(set(loader.sampler))
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        state = loader.state_dict()
+        after = [first(next(batches)) for _ in range(3)]
+        resumed = data.train_dataloader()
+        resumed.load_state_dict(state)
+        again = iter(resumed)
+        for expected in after:
+            assert torch.equal(first(next(again)), expected)
+    assert not shares[0] & shares[1] and len(shares[0] | shares[1]) >= len(data.train_set) - 1

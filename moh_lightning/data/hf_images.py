@@ -13,8 +13,8 @@ from moh_lightning.data.images import (
     WorkerRandomState,
     _normalisation,
     image_transforms,
-    train_loader,
 )
+from moh_lightning.data.loaders import train_loader
 
 
 class HFImageDataset(WorkerRandomState, Dataset):

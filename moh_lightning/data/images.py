@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import random
 from pathlib import Path
 from typing import Literal
@@ -19,8 +18,9 @@ from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchvision.datasets import ImageFolder
+
+from moh_lightning.data.loaders import train_loader
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -63,25 +63,6 @@ class WorkerRandomState:
         name, keys, position, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, gauss))
         torch.set_rng_state(state["torch"])
-
-
-def train_loader(dataset: Dataset, batch_size: int, num_workers: int, trainer=None, **kwargs) -> StatefulDataLoader:
-    """The shuffled training loader, stateful so that checkpoints record the position in the epoch.
-
-    Under DDP (``trainer.world_size > 1``) each process gets torchdata's ``StatefulDistributedSampler``, whose order
-    is a function of the seed (``seed_everything``'s, as Lightning's own distributed sampler) and the epoch, and whose
-    state is the number of indices served. Left to Lightning, a stateful loader's sampler is wrapped in a
-    ``DistributedSamplerWrapper`` that draws a new permutation from the global random stream when an epoch's iterator
-    is created, and holds no state: a run resumed mid-epoch would serve another permutation from there.
-    Workers are kept across epochs, so their random streams continue as they would in one process.
-    """
-    common = dict(batch_size=batch_size, drop_last=True, num_workers=num_workers,
-                  persistent_workers=num_workers > 0, **kwargs)
-    if trainer is not None and trainer.world_size > 1:
-        sampler = StatefulDistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
-                                             shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
-        return StatefulDataLoader(dataset, sampler=sampler, **common)
-    return StatefulDataLoader(dataset, shuffle=True, **common)
 
 
 def grayscale_loader(path: str) -> Image.Image:

@@ -16,7 +16,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from moh_lightning.data.images import WorkerRandomState, load_mnist_5k, train_loader
+from moh_lightning.data.images import WorkerRandomState, load_mnist_5k
+from moh_lightning.data.loaders import train_loader
 
 SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215

@@ -31,6 +31,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from moh_lightning.data.loaders import train_loader
+
 BYTE_TOKENIZER = "byte"
 STDLIB = "python-stdlib"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
@@ -381,11 +383,7 @@ class TextDataModule(LightningDataModule):
                              f"{held_out}; raise a source's val_fraction, add documents, or lower seq_len.")
 
     def train_dataloader(self) -> StatefulDataLoader:
-        # Stateful: checkpoints record the position in the shuffled epoch, so a resumed run neither repeats nor
-        # skips a sequence.
-        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                                  num_workers=self.hparams.num_workers,
-                                  persistent_workers=self.hparams.num_workers > 0)
+        return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False,
