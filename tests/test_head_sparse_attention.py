@@ -200,10 +200,10 @@ def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_k
     import moh_lightning.layers.head_sparse_attention as hsa
 
     monkeypatch.setattr(hsa, "CAUSAL_CHUNK", 16)
-    monkeypatch.setattr(hsa, "STAIRCASE_BLOCK", 32)
+    monkeypatch.setattr(hsa, "CAUSAL_BLOCK", 96)
     plans = []
-    plan = hsa._staircase_plan
-    monkeypatch.setattr(hsa, "_staircase_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    plan = hsa._causal_plan
+    monkeypatch.setattr(hsa, "_causal_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
     generator = torch.Generator().manual_seed(6)
     q = torch.randn(2, 8, length, 16, generator=generator, requires_grad=True)
     k, v = (torch.randn(2, 8, num_keys, 16, generator=generator, requires_grad=True) for _ in range(2))

@@ -9,13 +9,14 @@ against this padded call's 38 ms: a call per head 131 ms, nested jagged tensors 
 256 ms eager and no faster than dense SDPA compiled (a per-query mask skips no key block).
 
 Causal attention cannot use SDPA's ``is_causal`` on gathered queries (a query's slot is not its position).
-On CPU (no dropout, no extra mask, as many key heads as query heads) the slots are cut into blocks of
-``STAIRCASE_BLOCK``: the keys before a block's first position are visible to every query of the block and go
-through one unmasked flash-attention call, and only the staircase after it is cut into ``CAUSAL_CHUNK`` rows with a
-positional float mask; the parts are merged through their log-sum-exp, and backward runs the flash kernel's own
-backward on each part with the merged output (``_CausalStaircase``). Elsewhere the slots are cut into chunks that
-each attend to every key up to their last position with the mask (``_causal_chunks``). The chunk plan costs one
-host read per layer, with the gathered width (the sparse path's only data-dependent size).
+Its slots are laid out in blocks of ``CAUSAL_BLOCK`` positions, each padded to its largest count over (batch, head)
+(``_slot_layout``). On CPU (no dropout, no extra mask, as many key heads as query heads) the keys before a block's
+first position are visible to every query of the block and go through one unmasked flash-attention call, and only
+the staircase inside the block is cut into ``CAUSAL_CHUNK`` rows with a positional float mask; the parts are merged
+through their log-sum-exp, and backward runs the flash kernel's own backward on each part with the merged output
+(``_CausalStaircase``). Elsewhere the slots are cut into chunks that each attend to every key up to their last
+position with the mask (``_causal_chunks``). The block widths and the chunk plan cost one host read per layer (the
+sparse path's only data-dependent sizes).
 
 A single decoding token (KV cache) reads only the cache rows of its selected heads. On CPU that is one pair of
 matrix-vector products per selected (sequence, head) on views of the cache: gathering those rows first would copy
@@ -44,9 +45,9 @@ MIN_SPARSE_DECODE_KEYS = 4096
 # Rows of gathered queries per causal chunk: smaller chunks waste less of each chunk's diagonal block,
 # larger ones make fewer SDPA calls.
 CAUSAL_CHUNK = 64
-# Gathered rows per block whose keys before the block's first position take one unmasked call (CPU causal path);
-# measured at N = 1024 / 4096 against 128 and 512 (a multiple of CAUSAL_CHUNK).
-STAIRCASE_BLOCK = 256
+# Positions per block of causal slots, whose keys before the block take one unmasked call (CPU causal path):
+# smaller blocks shrink the masked staircase, larger ones the padding to each block's largest count.
+CAUSAL_BLOCK = 512
 # Keys per backward call over a block's unmasked keys: bounds the key / value gradient temporaries.
 STAIRCASE_KEYS = 1024
 
@@ -189,22 +190,12 @@ def _causal_bias(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> 
 def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_p):
     """Routed heads on their selected queries only: the token row of each slot (B, E, L) and its gated output
     (None when no token selected any routed head)."""
-    batch, num_routed, length, head_dim = q.shape
+    num_routed, length = q.shape[1], q.shape[2]
     selected = (gates != 0).transpose(1, 2)                                        # (B, E, N)
-    slot = selected.cumsum(-1) - 1                                                 # slot of each selected token
-    count = slot[..., -1] + 1                                                      # (B, E)
-    # Queries sorted by position into slots 0..count-1; padding slots take the last position, which is never
-    # fully masked, and their outputs go to the dump row N. Laid out over all N slots first, so that the causal
-    # chunk plan and the gathered width come back in one host read.
-    tokens = torch.arange(length, device=q.device).expand_as(slot)
-    positions = torch.full((batch, num_routed, length + 1), length - 1, dtype=torch.long, device=q.device)
-    positions = positions.scatter(-1, torch.where(selected, slot, length), tokens)[..., :length]   # (B, E, N)
-    real = torch.arange(length, device=q.device) < count[..., None]                # (B, E, N)
-    plan = [count.amax()[None]]
-    if causal:
-        plan += _chunk_bounds(positions + offset, real)
-    values = torch.cat(plan).tolist()                                              # the one host read
-    width = int(values[0])
+    positions, real, widths, chunk_last = _slot_layout(selected, CAUSAL_BLOCK if causal else length, causal)
+    values = torch.cat([widths, chunk_last]).tolist()                              # the one host read
+    widths, chunk_last = values[:len(widths)], values[len(widths):]
+    width = sum(widths)
     if width == 0:
         return None
     positions, real = positions[..., :width], real[..., :width]                     # (B, E, L)
@@ -212,12 +203,14 @@ def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_
     sequence, head = _slot_index(q)
     mask = None if head_mask is None else head_mask[sequence, head, positions]     # (B, E, L, M)
     mask = _combine(mask, key_bias)
+    if causal:
+        plan = _causal_plan(widths, chunk_last, offset, k.shape[2])
     if causal and (_FLASH_CPU is not None and q.device.type == "cpu" and mask is None and dropout_p == 0.0
                    and k.shape[1] == num_routed):
-        out = _CausalStaircase.apply(q, k, v, positions, offset, *_chunk_plan(values[1:], width, length, k.shape[2]))
+        out = _CausalStaircase.apply(q, k, v, positions, offset, plan)
     elif causal:
-        ends = _chunk_plan(values[1:], width, length, k.shape[2])[1]
-        out = _causal_chunks(_gather_slots(q, positions), k, v, positions + offset, mask, dropout_p, ends)
+        chunks = [chunk for *_, block_chunks in plan for chunk in block_chunks]
+        out = _causal_chunks(_gather_slots(q, positions), k, v, positions + offset, mask, dropout_p, chunks)
     else:
         out = F.scaled_dot_product_attention(_gather_slots(q, positions), k, v, attn_mask=mask, dropout_p=dropout_p,
                                              enable_gqa=True)
@@ -225,31 +218,58 @@ def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_
     return torch.where(real, positions, length), out                              # token rows (N = dump), outputs
 
 
-def _chunk_bounds(positions: torch.Tensor, real: torch.Tensor) -> list[torch.Tensor]:
-    """Over every possible block of slots: the earliest first position (STAIRCASE_BLOCK blocks) and the latest
-    real position (CAUSAL_CHUNK chunks) across sequences and heads, as tensors for the one host read."""
-    batch, heads, length = positions.shape
-    starts = positions[..., ::STAIRCASE_BLOCK].amin(dim=(0, 1))
-    last = F.pad(torch.where(real, positions, 0), (0, (-length) % CAUSAL_CHUNK))
-    ends = last.reshape(batch, heads, -1, CAUSAL_CHUNK).amax(dim=(0, 1, 3))
-    return [starts, ends]
+def _slot_layout(selected: torch.Tensor, block: int, chunked: bool):
+    """Where each (sequence, routed head) puts its selected queries: slots in blocks of ``block`` positions.
+
+    Block j holds the queries at positions [j * block, (j + 1) * block) in order, in as many slots as the largest
+    count there over (sequence, head); the other sequences and heads pad it with the block's last position (never
+    fully masked), whose outputs go to the dump row N. Aligned on positions, every query of a causal block sees the
+    keys before the block, one range for all. Laid out over all N slots (the blocks' widths sum to at most N), so
+    that the widths and the causal chunk plan come back in one host read.
+
+    Returns the token row of each slot (B, E, N), whether the slot is a selected query (B, E, N), the blocks' widths
+    (num_blocks,) and, when ``chunked``, per chunk of ``CAUSAL_CHUNK`` slots of each block the last selected position
+    (-1 if none).
+    """
+    batch, heads, length = selected.shape
+    num_blocks, chunks_per_block = -(-length // block), -(-block // CAUSAL_CHUNK)
+    device = selected.device
+    rank = F.pad(selected, (0, num_blocks * block - length)).view(batch, heads, num_blocks, block).cumsum(-1) - 1
+    widths = rank[..., -1].amax(dim=(0, 1)) + 1                                   # (num_blocks,)
+    block_ends = widths.cumsum(0)
+    slot = ((block_ends - widths)[:, None] + rank).flatten(-2)[..., :length]     # (B, E, N) where selected
+    target = torch.where(selected, slot, length)                                  # N: the dump column
+    tokens = torch.arange(length, device=device).expand_as(target)
+    block_of_slot = torch.searchsorted(block_ends, torch.arange(length + 1, device=device), right=True)
+    padding = ((block_of_slot + 1) * block).clamp(max=length) - 1                 # (N + 1,)
+    positions = padding.expand(batch, heads, length + 1).scatter(-1, target, tokens)[..., :length]
+    real = selected.new_zeros(batch, heads, length + 1).scatter(-1, target, selected)[..., :length]
+    chunk = (torch.arange(num_blocks, device=device)[:, None] * chunks_per_block
+             + rank.clamp(min=0) // CAUSAL_CHUNK).flatten(-2)[..., :length]
+    chunk_last = torch.full((num_blocks * chunks_per_block,), -1, device=device).scatter_reduce(
+        0, chunk.flatten(), torch.where(selected, tokens, -1).flatten(), "amax") if chunked else widths[:0]
+    return positions, real, widths, chunk_last
 
 
-def _chunk_plan(values: list, width: int, length: int, num_keys: int) -> tuple[list[int], list[int]]:
-    """The host-side plan from ``_chunk_bounds``: first positions of the blocks and key ends of the chunks that
-    cover the ``width`` gathered slots."""
-    num_starts = -(-length // STAIRCASE_BLOCK)
-    starts = [int(x) for x in values[:-(-width // STAIRCASE_BLOCK)]]
-    ends = [min(int(x) + 1, num_keys) for x in values[num_starts:num_starts + -(-width // CAUSAL_CHUNK)]]
-    return starts, ends
+def _causal_plan(widths: list[int], chunk_last: list[int], offset: int, num_keys: int) -> list:
+    """[(first slot, end slot, first position, [(chunk start, chunk end, key end), ...]), ...] per nonempty block of
+    ``_slot_layout``: the chunks of ``CAUSAL_CHUNK`` slots and the keys their latest query sees."""
+    plan, start = [], 0
+    chunks_per_block = -(-CAUSAL_BLOCK // CAUSAL_CHUNK)
+    for block, width in enumerate(widths):
+        chunks = [(start + s, start + min(s + CAUSAL_CHUNK, width),
+                   min(chunk_last[block * chunks_per_block + s // CAUSAL_CHUNK] + offset + 1, num_keys))
+                  for s in range(0, width, CAUSAL_CHUNK)]
+        if chunks:
+            plan.append((start, start + width, block * CAUSAL_BLOCK + offset, chunks))
+        start += width
+    return plan
 
 
-def _causal_chunks(q_sel, k, v, positions, mask, dropout_p, key_ends) -> torch.Tensor:
-    """Causal SDPA of gathered queries by chunks of slots, each over the keys its latest query can see."""
-    width = q_sel.shape[2]
-    bounds = [(s, min(s + CAUSAL_CHUNK, width)) for s in range(0, width, CAUSAL_CHUNK)]
+def _causal_chunks(q_sel, k, v, positions, mask, dropout_p, plan) -> torch.Tensor:
+    """Causal SDPA of gathered queries by the chunks of slots of ``plan``, each over the keys its latest query sees."""
     chunks = []
-    for (s, e), num_keys in zip(bounds, key_ends):
+    for s, e, num_keys in plan:
         chunk_mask = None if mask is None else mask[..., s:e, :num_keys] if mask.shape[-2] > 1 \
             else mask[..., :num_keys]
         chunks.append((s, e, num_keys, positions[..., s:e], chunk_mask))
@@ -260,9 +280,9 @@ def _causal_chunks(q_sel, k, v, positions, mask, dropout_p, key_ends) -> torch.T
 
 
 class _CausalStaircase(torch.autograd.Function):
-    """Causal attention of gathered queries (CPU flash kernel): per block of ``STAIRCASE_BLOCK`` slots, the keys
-    before the block's first position in one unmasked call, the staircase after it by ``CAUSAL_CHUNK`` rows with a
-    positional mask, merged through their log-sum-exp.
+    """Causal attention of gathered queries (CPU flash kernel): per block of ``_slot_layout``, the keys before the
+    block's first position in one unmasked call, the staircase after it by ``CAUSAL_CHUNK`` rows with a positional
+    mask, merged through their log-sum-exp.
 
     Against chunks that each attend to every key up to their last position (``_causal_chunks``), most of the work
     runs in large unmasked calls, where the CPU kernel is fastest, and the masks shrink to the staircase. The
@@ -272,10 +292,9 @@ class _CausalStaircase(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, slots, offset, starts, ends):
+    def forward(ctx, q, k, v, slots, offset, plan):
         q_sel = _gather_slots(q, slots)                                           # (B, E, L, d), not kept
         positions = slots + offset
-        plan = _staircase_plan(q_sel.shape[2], starts, ends)
         out = q_sel.new_empty(q_sel.shape)
         lse = q_sel.new_empty(q_sel.shape[:3], dtype=torch.float32)
         for s0, e0, first, chunks in plan:
@@ -317,7 +336,7 @@ class _CausalStaircase(torch.autograd.Function):
         ctx.plan = None
         sequence, head = _slot_index(q)
         grad_q = torch.zeros_like(q).index_put_((sequence, head, slots), dq, accumulate=True)
-        return grad_q, dk, dv, None, None, None, None
+        return grad_q, dk, dv, None, None, None
 
 
 def _slot_index(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,16 +350,6 @@ def _gather_slots(q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     Advanced indexing, not gather: gather is 5x slower on the strided q/k/v views of the qkv output.
     """
     return q[(*_slot_index(q), slots)]
-
-
-def _staircase_plan(width: int, starts: list[int], ends: list[int]) -> list:
-    """[(first slot, end slot, first position, [(chunk start, chunk end, key end), ...]), ...] per block."""
-    plan = []
-    for block, first in enumerate(starts):
-        s0, e0 = block * STAIRCASE_BLOCK, min(width, (block + 1) * STAIRCASE_BLOCK)
-        chunks = [(s, min(s + CAUSAL_CHUNK, e0), ends[s // CAUSAL_CHUNK]) for s in range(s0, e0, CAUSAL_CHUNK)]
-        plan.append((s0, e0, first, chunks))
-    return plan
 
 
 class _CausalChunks(torch.autograd.Function):
