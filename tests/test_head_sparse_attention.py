@@ -170,11 +170,15 @@ def test_auto_chooses_from_shapes(threads):
     assert not use_head_sparse("auto", 197, 197, 0.5, decoding=False)       # ViT-S: attention is cheap
     assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
     assert not use_head_sparse("auto", 1024, 1024, 7 / 8, decoding=False)   # one skipped head of 8
+    assert use_head_sparse("auto", 1, 4096, 7 / 8, decoding=True)
+    assert not use_head_sparse("auto", 1, 2048, 7 / 8, decoding=True)
+    assert not use_head_sparse("auto", 1, 1024, 0.5, decoding=True)
+    threads(2)                                                              # dense decoding uses both cores
     assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True)
-    assert not use_head_sparse("auto", 1, 1024, 0.5, decoding=True)        # the layer 0.96x there
-    threads(2)
-    assert not use_head_sparse("auto", 1, 4096, 0.5, decoding=True)        # dense decoding uses both cores
+    assert not use_head_sparse("auto", 1, 16384, 0.75, decoding=True)
     assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
+    threads(4)
+    assert not use_head_sparse("auto", 1, 16384, 0.5, decoding=True)
     assert not use_head_sparse("auto", 4096, 4096, 1.0, decoding=False)
     assert use_head_sparse("sparse", 8, 8, 1.0, decoding=False)
     assert not use_head_sparse("dense", 4096, 4096, 0.5, decoding=False)

@@ -34,14 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Where the head-sparse path wins, measured on CPU by `moh bench` with 1 and 2 threads (2 shared of 8 heads,
-# random routing): from ~512 queries at <= 75% active heads (at 256 it breaks even, at 7 of 8 heads gathering
-# costs what the skipped head saves); for a decoding token only single-threaded, from a 4096-key cache (the
-# layer 1.06-1.50x there, 0.77-0.96x at 1024). With 2 threads dense decoding splits its cache reads over the
-# cores while the per-pair products of `_decode_pairs` barely do (layer 0.63-0.88x at 4096).
+# Where the head-sparse path wins, measured on CPU by `moh bench` (2 shared of 8 heads of 64, random routing): from
+# ~512 queries at <= 75% active heads (at 256 it breaks even, at 7 of 8 heads gathering costs what the skipped head
+# saves).
 MIN_SPARSE_QUERIES = 512
 MAX_SPARSE_FRACTION = 0.8
-MIN_SPARSE_DECODE_KEYS = 4096
+# A decoding token, by torch's thread count: (cache length from, active fraction up to) where the whole layer decoded
+# head-sparse faster than dense-and-mask (batch 4, medians of 60 steps). One thread: 1.30x / 1.02x at 50% / 75% of
+# heads from a 2048-key cache, 1.56x / 1.19x / 1.06x at 50% / 75% / 88% from 4096; at 1024 only 50% gains (1.09x).
+# Two threads, where dense decoding splits its cache reads over the cores and the per-pair products barely do:
+# 50% 1.16-1.28x from 2048 to 16384 keys, 75% 0.86-0.90x. More threads are unmeasured: dense.
+SPARSE_DECODE = {1: ((2048, 0.75), (4096, 0.9)), 2: ((2048, 0.5),)}
 # Rows of gathered queries per causal chunk: smaller chunks waste less of each chunk's diagonal block,
 # larger ones make fewer SDPA calls.
 CAUSAL_CHUNK = 64
@@ -64,7 +67,7 @@ def use_head_sparse(execution: str, num_queries: int, num_keys: int, active_frac
                     decoding: bool, device_type: str = "cpu") -> bool:
     """Whether to run the head-sparse path: forced by ``execution``, else chosen from the shapes.
 
-    ``auto`` decodes head-sparse only on one CPU thread (see ``MIN_SPARSE_DECODE_KEYS``). Off the CPU it decodes
+    ``auto`` decodes head-sparse on the CPU where ``SPARSE_DECODE`` measured it faster. Off the CPU it decodes
     dense-and-mask: the batched decode copies the selected heads' cache rows before reading them, 1.5x dense
     attention's memory traffic at half the heads, and decoding is memory-bound.
     """
@@ -73,7 +76,8 @@ def use_head_sparse(execution: str, num_queries: int, num_keys: int, active_frac
     if active_fraction >= 1.0:
         return False
     if decoding and num_queries == 1:
-        return device_type == "cpu" and torch.get_num_threads() == 1 and num_keys >= MIN_SPARSE_DECODE_KEYS
+        return device_type == "cpu" and any(num_keys >= keys and active_fraction <= fraction
+                                            for keys, fraction in SPARSE_DECODE.get(torch.get_num_threads(), ()))
     return num_queries >= MIN_SPARSE_QUERIES and active_fraction <= MAX_SPARSE_FRACTION
 
 

