@@ -175,6 +175,7 @@ def test_auto_chooses_from_shapes(threads):
     assert not use_head_sparse("auto", 1, 1024, 0.5, decoding=True)
     threads(2)                                                              # dense decoding uses both cores
     assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True)
+    assert not use_head_sparse("auto", 1, 2048, 0.5, decoding=True)
     assert not use_head_sparse("auto", 1, 16384, 0.75, decoding=True)
     assert use_head_sparse("auto", 1024, 1024, 0.5, decoding=False)
     threads(4)

@@ -43,8 +43,9 @@ MAX_SPARSE_FRACTION = 0.8
 # head-sparse faster than dense-and-mask (batch 4, medians of 60 steps). One thread: 1.30x / 1.02x at 50% / 75% of
 # heads from a 2048-key cache, 1.56x / 1.19x / 1.06x at 50% / 75% / 88% from 4096; at 1024 only 50% gains (1.09x).
 # Two threads, where dense decoding splits its cache reads over the cores and the per-pair products barely do:
-# 50% 1.16-1.28x from 2048 to 16384 keys, 75% 0.86-0.90x. More threads are unmeasured: dense.
-SPARSE_DECODE = {1: ((2048, 0.75), (4096, 0.9)), 2: ((2048, 0.5),)}
+# 50% 1.09-1.28x from 4096 to 16384 keys (at 2048 0.95x in one run, 1.19x in another), 75% 0.79-0.90x. More
+# threads are unmeasured: dense.
+SPARSE_DECODE = {1: ((2048, 0.75), (4096, 0.9)), 2: ((4096, 0.5),)}
 # Rows of gathered queries per causal chunk: smaller chunks waste less of each chunk's diagonal block,
 # larger ones make fewer SDPA calls.
 CAUSAL_CHUNK = 64
