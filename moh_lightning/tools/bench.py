@@ -36,7 +36,7 @@ HEADS, HEAD_DIM, BATCH, SHARED = 8, 64, 4, 2
 # Activated fraction -> routed top-k with 2 shared of 8 heads; 90% is not a whole number of 8 heads, so the
 # nearest, 7 of 8, stands for it.
 FRACTIONS = {"50%": 2, "75%": 4, "88%": 5}
-LONG = 1024  # longer sequences get fewer timed runs
+LONG = 1024  # longer sequences get one warm-up run and no dense-and-mask column
 # Issue 15's targets for the attention core: (causal, N, fraction) -> minimum speedup over MHA.
 CORE_TARGETS = {(True, 4096, "50%"): 1.8, (True, 1024, "50%"): 1.7, (True, 4096, "75%"): 1.25,
                 (False, 1024, "50%"): 1.75}
@@ -305,6 +305,27 @@ def _layer(causal: bool, dense: bool, execution: str = "auto", top_k: int = 2,
                         device=device)
 
 
+def _execution_layers(causal: bool, fractions: dict[str, int], device: torch.device) -> dict[str, MoHAttention]:
+    """MHA, and for each fraction the MoH layer under each execution, named ``"<fraction> auto|sparse|dense"``."""
+    layers = {"MHA": _layer(causal, True, device=device)}
+    for name, top_k in fractions.items():
+        for execution in ("auto", "sparse", "dense"):
+            layers[f"{name} {execution}"] = _layer(causal, False, execution, top_k, device)
+    return layers
+
+
+def _execution_cells(ms: dict[str, float], name: str, auto: MoHAttention, num_queries: int, num_keys: int,
+                     decoding: bool, digits: int) -> tuple[float, list[str]]:
+    """One fraction of ``_execution_layers``' timings: auto's pick scored against dense-and-mask (the forced time of
+    the path it picks / dense-and-mask's, 1.00 when it picks dense-and-mask, since timing one path twice differs
+    by up to 9% here), and the dense-and-mask, sparse and auto cells with their speedups over MHA."""
+    gates = torch.ones(1, device=next(auto.parameters()).device)
+    picked = "sparse" if auto._head_sparse(gates, num_queries, num_keys, decoding) else "dense"
+    cells = [f"{ms[f'{name} {e}']:.{digits}f} ({ms['MHA'] / ms[f'{name} {e}']:.2f}×{f', {picked}' * (e == 'auto')})"
+             for e in ("dense", "sparse", "auto")]
+    return ms[f"{name} {picked}"] / ms[f"{name} dense"], cells
+
+
 def _layer_section(report: Report, timer: Clock, lengths, fractions, repeats, warmup) -> None:
     report.lines += [
         "## Whole attention layer: what `auto` picks", "",
@@ -317,23 +338,14 @@ def _layer_section(report: Report, timer: Clock, lengths, fractions, repeats, wa
     for causal in (False, True):
         for length in lengths:
             x = torch.randn(BATCH, length, HEADS * HEAD_DIM, device=timer.device, requires_grad=True)
-            layers = {"MHA": _layer(causal, True, device=timer.device)}
-            for name, top_k in fractions.items():
-                for execution in ("auto", "sparse", "dense"):
-                    layers[f"{name} {execution}"] = _layer(causal, False, execution, top_k, timer.device)
+            layers = _execution_layers(causal, fractions, timer.device)
             fns = {name: (lambda layer=layer: layer(x).sum().backward()) for name, layer in layers.items()}
             ms = _median_ms(fns, repeats, warmup, timer)
             for name in fractions:
-                auto = layers[f"{name} auto"]
-                picked = "sparse" if auto._head_sparse(torch.ones(1, device=timer.device), length, length, False) \
-                    else "dense"
-                ratio = ms[f"{name} {picked}"] / ms[f"{name} dense"]
+                ratio, cells = _execution_cells(ms, name, layers[f"{name} auto"], length, length, False, 1)
                 label = f"{'causal' if causal else 'bidirectional'}, N = {length}, MoH {name}"
                 worst = max(worst, (ratio, label))
-                rows.append(["causal" if causal else "bidirectional", length, name, f"{ms['MHA']:.1f}"]
-                            + [f"{ms[f'{name} {e}']:.1f} ({ms['MHA'] / ms[f'{name} {e}']:.2f}×)"
-                               for e in ("dense", "sparse")]
-                            + [f"{ms[f'{name} auto']:.1f} ({ms['MHA'] / ms[f'{name} auto']:.2f}×, {picked})"])
+                rows.append(["causal" if causal else "bidirectional", length, name, f"{ms['MHA']:.1f}", *cells])
     report.target(f"auto's pick / dense-and-mask layer time, worst cell ({worst[1]})", "≤ 1.05×", worst[0],
                   worst[0] <= 1.05)
     report.table(["attention", "N", "heads", "MHA ms", "dense-and-mask", "sparse", "auto"], rows)
@@ -468,10 +480,7 @@ def _decode_section(report: Report, timer: Clock, caches, fractions, repeats, wa
         with torch.no_grad():
             core = _median_ms(fns, steps, warmup, timer)
         x = torch.randn(BATCH, 1, HEADS * HEAD_DIM, device=device)
-        layers = {"MHA": _layer(True, True, device=device)}
-        for name, top_k in fractions.items():
-            for execution in ("auto", "sparse", "dense"):
-                layers[f"{name} {execution}"] = _layer(True, False, execution, top_k, device)
+        layers = _execution_layers(True, fractions, device)
         layer_fns = {}
         for name, layer in layers.items():
             cache = KVCache(BATCH, HEADS, length + 1, HEAD_DIM, device=device)
@@ -489,14 +498,9 @@ def _decode_section(report: Report, timer: Clock, caches, fractions, repeats, wa
             if name == "MHA":
                 layer_cells = [f"{whole['MHA']:.3f}", "—", "—", f"{BATCH / whole['MHA'] * 1e3:.0f}"]
             elif name in fractions:
-                auto = layers[f"{name} auto"]
-                picked = "sparse" if auto._head_sparse(torch.ones(1, device=device), 1, length, True) else "dense"
-                ratio = whole[f"{name} {picked}"] / whole[f"{name} dense"]
+                ratio, layer_cells = _execution_cells(whole, name, layers[f"{name} auto"], 1, length, True, 3)
                 worst = max(worst, (ratio, f"cache {length}, MoH {name}"))
-                layer_cells = [f"{whole[f'{name} {e}']:.3f} ({whole['MHA'] / whole[f'{name} {e}']:.2f}×)"
-                               for e in ("dense", "sparse")]
-                layer_cells += [f"{whole[f'{name} auto']:.3f} ({whole['MHA'] / whole[f'{name} auto']:.2f}×, {picked})",
-                                f"{BATCH / whole[f'{name} auto'] * 1e3:.0f}"]
+                layer_cells.append(f"{BATCH / whole[f'{name} auto'] * 1e3:.0f}")
             rows.append([length, label, f"{core[name]:.3f} ({core['MHA'] / core[name]:.2f}×)",
                          f"{BATCH / core[name] * 1e3:.0f}", *layer_cells])
             if name in fractions:
