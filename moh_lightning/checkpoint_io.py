@@ -1,4 +1,4 @@
-"""Checkpoint writing that never leaves a truncated file where a good checkpoint was."""
+"""Checkpoint writing that never leaves a truncated file where a good checkpoint was, and reading that runs no code."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +13,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from moh_lightning.serialization import load_file
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -29,7 +31,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the new one is completely written. Out of space means an ``ENOSPC`` / ``EDQUOT`` (quota) error, or any write error
     after which the folder has less room than the checkpoint takes: torch's zip writer reports a full disk as
     ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...``, not as ``OSError``.
+
+    Resuming, validating or testing from a local checkpoint reads it with ``serialization.load_file``, whatever
+    ``weights_only`` Lightning passes: a checkpoint from someone else cannot run code through its pickle.
     """
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = lambda storage, location: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if not isinstance(get_filesystem(path), LocalFileSystem):
+            return super().load_checkpoint(path, map_location, weights_only=True)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return load_file(path, map_location=map_location)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:

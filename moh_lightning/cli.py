@@ -25,6 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, StepCheckpoint
 from moh_lightning.configs import expand_config
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint
+from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -182,6 +183,11 @@ class MoHLightningCLI(LightningCLI):
         # DDP launcher starts each further process from sys.argv, which then expands it the same way. (LightningCLI
         # warns when both are given, a guard against mistakes that does not apply here.)
         self.config = parser.parse_args(args)
+        # LightningCLI reads an explicit checkpoint's hyper-parameters next; a file that names a type no checkpoint
+        # needs is refused here first, in one line naming it (serialization.load_file).
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            load_file(ckpt_path, mmap=True)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(HeadLoadCallback, "head_load")
@@ -229,12 +235,18 @@ def _tool(name: str) -> Callable:
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python."""
+    """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python.
+
+    A checkpoint refused for what its pickle names (resumed, validated or read by a tool) stops in one line.
+    """
     given = list(sys.argv[1:] if args is None else args)
-    if given and given[0] in TOOLS:
-        CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
-        return
-    MoHLightningCLI(args=args)
+    try:
+        if given and given[0] in TOOLS:
+            CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
+            return
+        MoHLightningCLI(args=args)
+    except UnsafeCheckpointError as error:
+        raise SystemExit(f"moh: {error}") from None
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ import os
 import re
 import time
 import warnings
-import zipfile
 from collections.abc import Collection
 from pathlib import Path
 
-import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
+
+from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
 # The saved settings that must match for a run to continue from a checkpoint: what the weights and the data are.
 RESUME_KEYS = ("model", "data")
@@ -68,14 +68,15 @@ def checkpoint_problem(path: Path) -> str | None:
     torch writes checkpoints as zip archives whose central directory comes last, so a copy cut short anywhere is no
     longer a zip archive. A complete archive is loaded memory-mapped: its pickle is read and checked, the tensor
     bytes are not, so even a large checkpoint is checked in a moment and without its size in memory. (Lightning
-    loads it once more to resume.) ``weights_only=False`` because this asks whether the file is intact, not whether
-    its contents are allowed: a file Lightning refuses for its contents must not be moved aside as damaged.
+    loads it once more to resume.) It is read without running code (``serialization.load_file``): a file that names
+    a type no checkpoint needs raises ``UnsafeCheckpointError``, since it is not damaged and must not be moved aside.
     """
     if path.is_dir():  # a sharded (distributed) checkpoint: Lightning's strategy checks it
         return None
-    zipped = zipfile.is_zipfile(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)
+        checkpoint = load_file(path, mmap=True)
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:  # the zip reader, the unpickler and a truncated legacy file raise different types
         first = (str(error).strip().splitlines() or [""])[0].split(". ")[0]
         first = "".join(c if c.isprintable() else "?" for c in first)[:160]

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from moh_lightning.data.loaders import train_loader
+from moh_lightning.serialization import checkpoint_type
 
 BYTE_TOKENIZER = "byte"
 STDLIB = "python-stdlib"
@@ -41,6 +42,7 @@ SPLIT_RULES = ("auto", "documents", "tokens")
 SplitRule = Literal["auto", "documents", "tokens"]
 
 
+@checkpoint_type
 @dataclass
 class TextSource:
     """One corpus of the training mixture.

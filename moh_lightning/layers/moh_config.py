@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from moh_lightning.layers.budgets import check_head_budget
 from moh_lightning.layers.moh_attention import ExecutionMode
 from moh_lightning.layers.routers import RouterType
+from moh_lightning.serialization import checkpoint_type
 
 
+@checkpoint_type
 @dataclass
 class MoHConfig:
     """Which heads each token uses, and how they are picked.

@@ -20,6 +20,7 @@ from torch import nn
 
 from moh_lightning.layers import MoHAttention
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
+from moh_lightning.serialization import checkpoint_type
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -103,6 +104,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
+@checkpoint_type
 @dataclass
 class DiTConfig:
     """Architecture of a (MoH-)DiT. Defaults are DiT-XL/2 on 32x32x4 SD-VAE latents of ImageNet 256.

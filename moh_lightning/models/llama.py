@@ -16,8 +16,10 @@ from torch import nn
 
 from moh_lightning.layers import KVCache, MoHAttention
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
+from moh_lightning.serialization import checkpoint_type
 
 
+@checkpoint_type
 @dataclass
 class LlamaConfig:
     """Architecture of a (MoH) LLaMA decoder.

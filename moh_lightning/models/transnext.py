@@ -19,7 +19,6 @@ them once this module is imported.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -36,10 +35,12 @@ from torch import nn
 
 from moh_lightning.layers import MoHAttention
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
+from moh_lightning.serialization import checkpoint_type, read_weights_file
 
 NUM_STAGES = 4
 
 
+@checkpoint_type
 @dataclass
 class TransNeXtConfig:
     """Architecture of a (MoH-)TransNeXt. Defaults are TransNeXt-S at 224 pixels for ImageNet-1k, dense.
@@ -647,21 +648,9 @@ def weights_file(source: str | Path) -> Path:
         raise FileNotFoundError(f"{unreachable} ({type(error).__name__}).") from None
 
 
-def read_checkpoint(path: str | Path) -> dict:
-    """What a checkpoint file holds: safetensors, or a torch file of tensors (training checkpoints may also hold
-    their ``argparse.Namespace`` of arguments; nothing else is unpickled)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def load_pretrained(model: TransNeXt, source: str | Path) -> None:
     """Loads weights (ours, a timm export or the authors') into ``model``; every tensor must match, none be left."""
-    state = checkpoint_state_dict(read_checkpoint(weights_file(source)))
+    state = checkpoint_state_dict(read_weights_file(weights_file(source)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{source} does not fit this TransNeXt: {len(missing)} missing weights "
@@ -798,5 +787,5 @@ __all__ = [
     "AUTHORS_HUB_IDS", "AggregatedAttention", "ContinuousPositionBias", "ConvolutionalGLU", "NAMED_MODELS",
     "OverlapPatchEmbed", "TransNeXt", "TransNeXtAttention", "TransNeXtBlock", "TransNeXtConfig", "TransNeXtStage",
     "checkpoint_state_dict", "config_arguments", "create_transnext", "from_authors_state_dict", "is_authors_layout",
-    "load_pretrained", "read_checkpoint", "relative_position_table", "transnext_config", "weights_file",
+    "load_pretrained", "relative_position_table", "transnext_config", "weights_file",
 ]

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, register_model
 from timm.models._registry import generate_default_cfgs
@@ -18,8 +17,10 @@ from timm.models.vision_transformer import VisionTransformer
 
 from moh_lightning.layers import MoHAttention, layerwise
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
+from moh_lightning.serialization import checkpoint_type, read_weights_file
 
 
+@checkpoint_type
 @dataclass
 class ViTConfig:
     """Architecture of a (MoH) ViT: timm's ``VisionTransformer`` arguments and the MoH head budget.
@@ -84,11 +85,7 @@ def _dense_state_dict(source: str) -> dict:
     """The state dict of a local weights file, or of the timm model ``source`` downloaded with its weights."""
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = read_weights_file(path)
         for key in ("state_dict", "model", "state_dict_ema"):
             if isinstance(state.get(key), dict):
                 state = state[key]

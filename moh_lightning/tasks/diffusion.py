@@ -9,7 +9,6 @@ loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.models.dit import DiT, DiTConfig
+from moh_lightning.serialization import read_weights_file
 from moh_lightning.tasks.base import MoHTask
 
 Sampler = Literal["ddpm", "ddim"]
@@ -41,13 +41,7 @@ def load_dense_dit_weights(model: DiT, source: str) -> DiT:
     if not path.is_file():
         raise FileNotFoundError(f"model.init_args.init_from_dense={source!r}: no such file; download the dense DiT "
                                 f"checkpoint (e.g. DiT-XL-2-256x256.pt of facebookresearch/DiT) and give its path.")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(str(path))
-    else:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # train.py stores its args beside the weights
-            raw = torch.load(path, map_location="cpu", weights_only=True)
+    raw = read_weights_file(path)
     for key in ("ema", "state_dict", "model"):
         if isinstance(raw, dict) and isinstance(raw.get(key), dict):
             raw = raw[key]

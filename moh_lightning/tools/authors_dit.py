@@ -31,7 +31,6 @@ re-computation written from their formulas, and ``results/authors_models.md`` ag
 """
 from __future__ import annotations
 
-import argparse
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from moh_lightning.configs import load_config
 from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
+from moh_lightning.serialization import read_weights_file
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
 #: The authors' released MoH-DiT: hub repo and the shipped experiment config that is the same network.
@@ -64,14 +64,7 @@ def read_state_dict(source: str) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(f"--source {source}: no such file; give a weight file "
                                     f"({', '.join(WEIGHT_SUFFIXES)}) or a hub repo id.")
         path = _hub_file(source)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(path)
-    else:
-        # Their train.py stores its argparse.Namespace beside the weights; nothing else beyond tensors is unpickled.
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            raw = torch.load(path, map_location="cpu", weights_only=True)
+    raw = read_weights_file(path)
     for key in ("ema", "state_dict", "model"):
         if isinstance(raw, dict) and isinstance(raw.get(key), dict):
             raw = raw[key]
@@ -163,14 +156,15 @@ def one_line_errors(tool: str):
         raise SystemExit(f"moh {tool}: {error}") from None
 
 
-def write_checkpoint(path: str | Path, task_hparams: dict, state_dict: dict[str, torch.Tensor],
+def write_checkpoint(path: str | Path, task: type, task_hparams: dict, state_dict: dict[str, torch.Tensor],
                      datamodule_hparams: dict) -> Path:
-    """A checkpoint in the layout ``moh fit`` writes and the tools read (``load_from_checkpoint``, the data module's
-    hyper-parameters), for weights that were not trained here."""
+    """A checkpoint of ``task`` in the layout ``moh fit`` writes and the tools read (``load_from_checkpoint``, the
+    data module's hyper-parameters, the task's class path), for weights that were not trained here."""
     import lightning
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    task_hparams = {"_class_path": f"{task.__module__}.{task.__qualname__}", **task_hparams}
     torch.save({"state_dict": state_dict, "hyper_parameters": task_hparams,
                 "datamodule_hyper_parameters": datamodule_hparams, "pytorch-lightning_version": lightning.__version__,
                 "epoch": 0, "global_step": 0}, path)
@@ -214,7 +208,8 @@ def load_authors_dit_tool(
     data_hparams = {**(data_section.get("init_args") or {}),
                     "provenance": f"The authors' MoH-DiT weights {source} (SkyworkAI/MoH), loaded by "
                                   f"`moh load-authors-dit` as {Path(experiment).name}."}
-    path = write_checkpoint(out, {"arch": asdict(arch), **hparams}, task.state_dict(), data_hparams)
+    path = write_checkpoint(out, ClassConditionalDiffusion, {"arch": asdict(arch), **hparams}, task.state_dict(),
+                            data_hparams)
     print(f"wrote {path}: the authors' weights as {Path(experiment).name} ({arch.activated_fraction:.1%} of heads "
           f"active); sample with `moh sample --checkpoint {path}`")
     return path

@@ -32,6 +32,8 @@ from moh_lightning.models.convert_llama import (
     moh_to_hf_state_dict,
 )
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, RotaryEmbedding
+from moh_lightning.serialization import read_weights_file
+from moh_lightning.tasks.language_model import LanguageModel
 from moh_lightning.tools.authors_dit import one_line_errors, write_checkpoint
 
 AUTHORS_LLAMA_HUB = "Chat-UniVi/MoH-LLaMA3-8B"
@@ -63,8 +65,6 @@ def model_folder(source: str) -> Path:
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All weights of a Hugging Face folder: safetensors (one file or the shards of its index), else ``*.bin``."""
-    from safetensors.torch import load_file
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -75,8 +75,7 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{folder}: no *.safetensors or pytorch_model*.bin weights.")
     state = {}
     for file in files:
-        state.update(load_file(file) if file.suffix == ".safetensors"
-                     else torch.load(file, map_location="cpu", weights_only=True))
+        state.update(read_weights_file(file))
     return state
 
 
@@ -145,7 +144,7 @@ def load_authors_llama_tool(source: str = AUTHORS_LLAMA_HUB, out: str = "authors
     path = Path(out)
     if path.suffix == ".ckpt":
         tokenizer = str(folder.resolve()) if Path(source).expanduser().is_dir() else source
-        write_checkpoint(path, {"arch": asdict(model.config), "init_from_hf": None},
+        write_checkpoint(path, LanguageModel, {"arch": asdict(model.config), "init_from_hf": None},
                          {f"model.{name}": value for name, value in model.state_dict().items()},
                          {"tokenizer": tokenizer, "provenance": provenance})
         print(f"wrote {path} ({model.config.activated_fraction:.0%} of heads active); evaluate with "

@@ -1,14 +1,15 @@
 """Loading ``moh fit`` checkpoints for the tools that evaluate or export them.
 
 Every tool reads the checkpoint's task first (``read_checkpoint``): given another kind of checkpoint it stops in one
-line naming the kind it got and the tool that fits, instead of failing inside the wrong class's ``__init__``.
+line naming the kind it got and the tool that fits, instead of failing inside the wrong class's ``__init__``; given a
+file that is not a ``moh fit`` checkpoint, or one whose pickle names a type no checkpoint needs, it stops in one line
+too, and nothing in the file has run (``serialization.load_file``).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
+from moh_lightning.serialization import UnsafeCheckpointError, load_file
 from moh_lightning.tasks.language_model import LanguageModel
 
 # The task class (its name) -> the tools that take its checkpoints.
@@ -39,6 +40,8 @@ def checkpoint_task(raw: dict) -> str:
         return "TransNeXtClassifier"
     if any(k.startswith("model.patch_embed.") for k in keys):
         return "ImageClassifier"
+    if any(k.startswith("model.embed.") for k in keys):
+        return "LanguageModel"
     return "unknown"
 
 
@@ -47,20 +50,30 @@ def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], t
     """The loaded checkpoint, after checking it was written by one of the ``expected`` task classes.
 
     The kind is the task's class path that LightningCLI saves with the hyper-parameters, else the type of the
-    ``arch`` config, else told from the weights' names; a checkpoint none of these identifies goes to the tool.
-    A missing file or another task's checkpoint stops the tool with one line (``SystemExit``) that names the kind
-    it got and the tool that fits it.
+    ``arch`` config, else told from the weights' names. A missing file, a file that is not a ``moh fit``
+    checkpoint, one that would run code, or another task's checkpoint stops the tool with one line
+    (``SystemExit``); for another task's it names the kind it got and the tool that fits it.
     """
     path = Path(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"moh {tool}: checkpoint {checkpoint}: no such file; give a .ckpt written by "
                                 f"`moh fit`.")
-    raw = torch.load(path, map_location=map_location, weights_only=False)  # a moh fit checkpoint pickles its config
     expected = expected if isinstance(expected, tuple) else (expected,)
     names = {cls.__name__ for cls in expected}
-    kind = checkpoint_task(raw)
-    if kind != "unknown" and kind not in names:  # a checkpoint that does not say is left to the tool
-        wanted = " or ".join(sorted(names))
+    wanted = " or ".join(sorted(names))
+    try:
+        raw = load_file(path, map_location=map_location)
+    except UnsafeCheckpointError as error:
+        raise SystemExit(f"moh {tool}: {error}") from None
+    except Exception as error:  # not a torch file at all, or a damaged one
+        raise SystemExit(f"moh {tool}: {checkpoint} does not load as a checkpoint ({type(error).__name__}); give a "
+                         f".ckpt written by `moh fit` with a {wanted}.") from None
+    suite = isinstance(raw, dict) and all(isinstance(raw.get(key), dict) for key in ("state_dict", "hyper_parameters"))
+    kind = checkpoint_task(raw) if suite else "unknown"
+    if kind == "unknown":
+        raise SystemExit(f"moh {tool}: {checkpoint} is not a checkpoint of this suite (no `moh fit` task or "
+                         f"weights in it); give a .ckpt written by `moh fit` with a {wanted}.")
+    if kind not in names:
         fits = TOOLS_FOR.get(kind)
         advice = f"use {fits} for it" if fits else "give a checkpoint written by `moh fit` with that task"
         raise SystemExit(f"moh {tool}: {checkpoint} is a {kind} checkpoint, not a {wanted} one; {advice}.")

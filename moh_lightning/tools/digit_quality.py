@@ -50,7 +50,7 @@ def score_digits(samples: np.ndarray, labels: np.ndarray, classifier: str) -> di
     from moh_lightning.tools.checkpoints import read_checkpoint
 
     read_checkpoint(classifier, ImageClassifier, "digit_quality")  # another task's checkpoint: one line, its tool
-    model = ImageClassifier.load_from_checkpoint(classifier, map_location="cpu", weights_only=False).model.eval()
+    model = ImageClassifier.load_from_checkpoint(classifier, map_location="cpu", weights_only=True).model.eval()
     logits, features = _logits_and_features(model, samples)
     predicted = logits.argmax(-1).numpy()
     correct = predicted == labels

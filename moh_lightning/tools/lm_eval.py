@@ -104,6 +104,7 @@ def lm_eval(
         include_defaults: bool = True,
         add_bos_token: bool | None = None,
         output: str | None = None,
+        trust_remote_code: bool = False,
 ) -> dict:
     """Evaluates a MoH language model with lm-evaluation-harness and prints the harness's table.
 
@@ -120,6 +121,8 @@ def lm_eval(
         add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA); the tokenizer's
             default for ``--hf_folder``, False for ``--checkpoint`` (our training data has no BOS).
         output: JSON file for the results.
+        trust_remote_code: Run the Python modelling code of an ``--hf_folder`` that is not the one ``moh export-hf``
+            writes (read it first: loading runs it). The suite's own file is trusted without this.
     """
     import lm_eval as harness
     from lm_eval.tasks import TaskManager
@@ -132,7 +135,8 @@ def lm_eval(
     if checkpoint is not None:
         model, model_args = "moh", {"checkpoint": checkpoint}
     else:
-        model, model_args = "hf", {"pretrained": hf_folder, "trust_remote_code": True}
+        model, model_args = "hf", {"pretrained": hf_folder,
+                                   "trust_remote_code": remote_code_trusted(Path(hf_folder), trust_remote_code)}
     if add_bos_token is not None:
         model_args["add_bos_token"] = add_bos_token
     results = harness.simple_evaluate(
@@ -148,4 +152,21 @@ def lm_eval(
     return summary
 
 
-__all__ = ["MoHLM", "PAPER_TASKS", "lm_eval"]
+def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
+    """Whether ``transformers`` may run ``folder``'s Python files: yes when every one is the modelling file that
+    ``moh export-hf`` writes, byte for byte, or when the user said so; none there needs no trust.
+
+    Other code stops in one line naming the file, since loading the folder would run it.
+    """
+    from moh_lightning.models import hf_moh_llama
+
+    ours = Path(hf_moh_llama.__file__).read_bytes()
+    foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() != ours)
+    if foreign and not trust_remote_code:
+        raise SystemExit(f"moh lm-eval: --hf_folder {folder}: its modelling code {', '.join(foreign)} is not the file "
+                         f"`moh export-hf` writes, and loading the folder would run it; read it, then pass "
+                         f"--trust_remote_code true.")
+    return trust_remote_code or any(folder.glob("*.py"))
+
+
+__all__ = ["MoHLM", "PAPER_TASKS", "lm_eval", "remote_code_trusted"]

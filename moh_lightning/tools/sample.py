@@ -58,14 +58,14 @@ def sample(
     path = Path(checkpoint)
     if not path.is_file():
         raise SystemExit(f"sample: --checkpoint {checkpoint}: no such file; pass a .ckpt written by `moh fit`.")
-    read_checkpoint(path, ClassConditionalDiffusion, "sample")  # another task's checkpoint: one line naming its tool
-    task = ClassConditionalDiffusion.load_from_checkpoint(path, map_location=device, weights_only=False)
+    raw = read_checkpoint(path, ClassConditionalDiffusion, "sample")  # one line for anything but a DiT checkpoint
+    task = ClassConditionalDiffusion.load_from_checkpoint(path, map_location=device, weights_only=True)
     task.eval()
     cfg_scale = task.hparams.cfg_scale if cfg_scale is None else cfg_scale
     sampler = sampler or task.hparams.sampler
     steps = steps or task.hparams.sample_steps
     if vae is None:
-        data_hparams = torch.load(path, map_location="cpu", weights_only=False).get("datamodule_hyper_parameters", {})
+        data_hparams = raw.get("datamodule_hyper_parameters") or {}
         vae = data_hparams.get("vae")
         latent_scale = data_hparams.get("latent_scale", latent_scale)
     decoder = None
