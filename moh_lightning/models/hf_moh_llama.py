@@ -109,8 +109,10 @@ class MoHLlamaAttention(LlamaAttention):
         elif config.moh_router != "query_norm":
             raise ValueError(f"moh_router={config.moh_router!r}: this file knows 'learned' and 'query_norm'.")
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
                 **kwargs):
+        # transformers 5.24 renamed the layer's `past_key_values` to `cache`; an ignored cache decodes wrongly.
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -123,8 +125,8 @@ class MoHLlamaAttention(LlamaAttention):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                     eager_attention_forward)
         attn_output, attn_weights = attention_interface(
