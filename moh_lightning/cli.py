@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, StepCheckpoint
 from moh_lightning.configs import expand_config
-from moh_lightning.runs import check_resumable, latest_loadable_checkpoint
+from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
@@ -159,7 +159,8 @@ class MoHLightningCLI(LightningCLI):
     The callbacks every run needs are always on, each configured under its own key: ``head_load``
     (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume`` and ``finite_loss_guard``.
     ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
-    run whose model or data settings differ from those saved with it.
+    run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
+    or other workers continue, with one line saying what changed.
     """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
@@ -218,7 +219,9 @@ class MoHLightningCLI(LightningCLI):
             return
         version_dir, checkpoint = found
         current = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False))
-        check_resumable(version_dir, current)
+        changes = check_resumable(version_dir, current)
+        if changes:
+            record_changes(version_dir, checkpoint, changes)
         logger_args.version = int(version_dir.name.removeprefix("version_"))
         config.ckpt_path = str(checkpoint)
 

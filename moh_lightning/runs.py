@@ -1,14 +1,18 @@
 """Run folders: each run writes its events, resolved config and checkpoints under ``<save_dir>/<name>/version_N/``.
 
-``--ckpt_path last`` continues the newest checkpoint of one run name, in that run's own folder, and only when the
-run's model and data settings are the ones saved with it: a run never continues another experiment's weights, and
-no run writes into another run's folder. A checkpoint that does not load (a truncated copy, a disk fault) is moved
-aside and the next newest is used (``latest_loadable_checkpoint``).
+``--ckpt_path last`` continues the newest checkpoint of one run name, in that run's own folder, and only when what
+makes the run that run (its network, task, head budget, data and tokenizer) is what was saved with it: a run never
+continues another experiment's weights, and no run writes into another run's folder. How long and how it runs (the
+token, step and epoch budgets, loader workers, compilation, logging, precision) may change, so a finished run
+continues for longer; each such change is said in one line and kept in the run folder's ``resumes.log``. A
+checkpoint that does not load (a truncated copy, a disk fault) is moved aside and the next newest is used
+(``latest_loadable_checkpoint``).
 """
 from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Collection
@@ -19,8 +23,23 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
-# The saved settings that must match for a run to continue from a checkpoint: what the weights and the data are.
+# The saved settings that must match for a run to continue from a checkpoint: what the weights and the data are...
 RESUME_KEYS = ("model", "data")
+# ...except these, which say how long and how the run goes, not what it is (the trainer's keys, budgets and precision
+# among them, are never compared), each with what its change means for the resumed run where that is not plain. A
+# per-layer option matches its key and every entry below it.
+CONTINUABLE_KEYS = {
+    "model.init_args.max_tokens": "",            # the LM's token budget (and its cosine length)
+    "model.init_args.compile": "",
+    "model.init_args.activation_checkpointing": "",
+    "model.init_args.arch.moh.execution": "",    # dense-and-mask or head-sparse: the same function, computed otherwise
+    "data.init_args.num_workers": "the rest of this epoch is drawn in a new order, since a loader's position does "
+                                  "not carry to another number of workers",
+    "data.init_args.cache_dir": "",
+    "data.init_args.encode_batch_size": "",
+    "data.init_args.samples_per_epoch": "",      # the text mixture's epoch length
+}
+CHANGES_LOG = "resumes.log"  # in the version folder: one line per resume that changed a setting
 
 
 def versions(run_root: Path) -> list[Path]:
@@ -142,25 +161,51 @@ def _flatten(value, prefix: str = "") -> dict:
     return {prefix: value}
 
 
-def differing_settings(saved: dict, current: dict) -> list[str]:
-    """Keys under ``RESUME_KEYS`` whose values differ between a saved and a current resolved config."""
-    old = _flatten({key: saved.get(key) for key in RESUME_KEYS})
-    new = _flatten({key: current.get(key) for key in RESUME_KEYS})
+def _continuable(key: str) -> bool:
+    return any(key == allowed or key.startswith(f"{allowed}.") for allowed in CONTINUABLE_KEYS)
+
+
+def differing_settings(saved: dict, current: dict, sections: tuple[str, ...] = RESUME_KEYS) -> list[str]:
+    """Keys under ``sections`` whose values differ between a saved and a current resolved config."""
+    old = _flatten({key: saved.get(key) for key in sections})
+    new = _flatten({key: current.get(key) for key in sections})
     return sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
 
 
-def check_resumable(version_dir: Path, current: dict) -> None:
-    """Stops with one line when ``current``'s model or data settings differ from those saved in ``version_dir``."""
+def check_resumable(version_dir: Path, current: dict) -> str | None:
+    """What changed in how the run goes, as one line (None when nothing did); stops with one line instead when
+    what makes the run that run differs from the settings saved in ``version_dir``."""
     saved_file = version_dir / "config.yaml"
     if not saved_file.is_file():
-        return
-    differing = differing_settings(yaml.safe_load(saved_file.read_text()) or {}, current)
+        return None
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    differing = [key for key in differing_settings(saved, current) if not _continuable(key)]
     if differing:
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
         raise SystemExit(f"moh: --ckpt_path last would continue {version_dir}, whose saved settings differ in "
-                         f"{shown} (see {saved_file}): start a fresh run under another name "
-                         f"(--trainer.logger.init_args.name NEW_NAME) or leave out --ckpt_path last.")
+                         f"{shown} (see {saved_file}), which make it another experiment: start a fresh run under "
+                         f"another name (--trainer.logger.init_args.name NEW_NAME) or leave out --ckpt_path last.")
+    changed = [key for key in differing_settings(saved, current, (*RESUME_KEYS, "trainer"))
+               if not key.startswith("trainer.logger.")]
+    if not changed:
+        return None
+    old, new = _flatten(saved), _flatten(current)
+    notes = [note for allowed, note in CONTINUABLE_KEYS.items() if note and any(
+        key == allowed or key.startswith(f"{allowed}.") for key in changed)]
+    return ", ".join(f"{key} {old.get(key)} -> {new.get(key)}" for key in changed) + "".join(f"; {n}" for n in notes)
 
 
-__all__ = ["RESUME_KEYS", "check_resumable", "checkpoint_problem", "differing_settings", "latest_checkpoint",
-           "latest_loadable_checkpoint", "versions"]
+@rank_zero_only
+def record_changes(version_dir: Path, checkpoint: Path, changes: str) -> None:
+    """Says in one line what a resumed run changed, and appends it to the run folder's ``resumes.log``.
+
+    The run overwrites ``config.yaml`` with its own settings, so the log is where the earlier ones stay.
+    """
+    line = f"continuing {checkpoint} with {changes}"
+    print(f"moh: {line}", file=sys.stderr)
+    with open(version_dir / CHANGES_LOG, "a") as log:
+        log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+
+__all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "checkpoint_problem",
+           "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "record_changes", "versions"]

@@ -72,3 +72,28 @@ def test_a_resumed_run_continues_in_its_own_folder_and_a_fresh_one_gets_a_new_on
     assert [p.name for p in run.iterdir() if p.name.startswith("version_")] == ["version_0"]
     _fit(corpus)  # without --ckpt_path: a new run of the same name, beside the first
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
+
+
+def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, capsys):
+    """Raising the token budget (and the loader workers) continues the run; its identity is still guarded."""
+    corpus = _corpus(run_dir / "corpus", 0)
+    _fit(corpus, "--model.init_args.max_tokens", "2048")
+    version = run_dir / "runs" / "llm_stdlib_75" / "version_0"
+    first = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert first["tokens_seen"] == 2048
+    capsys.readouterr()
+
+    _fit(corpus, "--model.init_args.max_tokens", "4096", "--data.init_args.num_workers", "1", "--ckpt_path", "last")
+
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moh: continuing")]
+    assert len(said) == 1 and "model.init_args.max_tokens 2048 -> 4096" in said[0]
+    assert "data.init_args.num_workers 0 -> 1" in said[0] and "new order" in said[0]
+    assert "max_tokens 2048 -> 4096" in (version / "resumes.log").read_text()
+    assert [p.name for p in version.parent.iterdir()] == ["version_0"]
+    resumed = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert resumed["tokens_seen"] == 4096 and resumed["global_step"] == 2 * first["global_step"]
+
+    with pytest.raises(SystemExit) as stop:  # another head budget is another experiment
+        _fit(corpus, "--model.init_args.max_tokens", "8192", "--model.init_args.arch.moh.top_k", "1",
+             "--ckpt_path", "last")
+    assert "model.init_args.arch.moh.top_k" in str(stop.value) and "max_tokens" not in str(stop.value)

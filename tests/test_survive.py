@@ -217,7 +217,7 @@ def test_when_no_checkpoint_loads_the_run_stops_in_one_line_listing_them_and_ren
     message = str(stop.value)
     assert message.startswith("moh: --ckpt_path last: none of the 2 checkpoints") and "\n" not in message
     assert "last.ckpt (RuntimeError: PytorchStreamReader" in message
-    assert "step=0000003.ckpt (EOFError: Ran out of input)" in message
+    assert "step=0000003.ckpt (EOFError)" in message  # an empty file
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=0000003.ckpt"]
 
 

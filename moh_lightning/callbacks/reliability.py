@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from moh_lightning.callbacks import lightning_compat as compat
+from moh_lightning.data.loaders import saved_worker_count
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -158,6 +159,12 @@ class ExactResumeCallback(Callback):
         loaders = checkpoint.get(self.LOADERS_KEY)
         if loaders is not None and loaders[trainer.global_rank] is not None:
             compat.set_train_loader_states(checkpoint, loaders[trainer.global_rank])
+        # A run resumed with another number of loader workers (allowed: it is how the run goes, not what it is)
+        # cannot take the saved position: the rest of that epoch is drawn afresh, as `moh fit` said when resuming.
+        workers = (getattr(trainer.datamodule, "hparams", None) or {}).get("num_workers")
+        saved = [saved_worker_count(state) for state in compat.train_loader_states(checkpoint) or []]
+        if workers is not None and any(count is not None and count != workers for count in saved):
+            compat.set_train_loader_states(checkpoint, [])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning applies the loaders' saved positions when it first builds the train loader. A task that

@@ -25,3 +25,17 @@ def train_loader(dataset: Dataset, batch_size: int, num_workers: int, trainer=No
                                              shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
         return StatefulDataLoader(dataset, sampler=sampler, **common)
     return StatefulDataLoader(dataset, shuffle=True, **common)
+
+
+def saved_worker_count(state: dict | None) -> int | None:
+    """The number of loader workers a ``StatefulDataLoader`` state was saved with (0: the main process); None if
+    the state is not one.
+
+    torchdata keeps a single-process loader's state and a multi-process one's in different layouts, and neither
+    loads into a loader with another number of workers.
+    """
+    if not isinstance(state, dict):
+        return None
+    if "_num_yielded" in state:
+        return 0
+    return (state.get("_snapshot") or {}).get("_main_snapshot", {}).get("_num_workers")
