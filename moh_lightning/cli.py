@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from jsonargparse import CLI
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, StepCheckpoint
+from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, RunSummary, StepCheckpoint
 from moh_lightning.configs import expand_config
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
@@ -157,7 +159,8 @@ class MoHLightningCLI(LightningCLI):
     """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config.
 
     The callbacks every run needs are always on, each configured under its own key: ``head_load``
-    (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume`` and ``finite_loss_guard``.
+    (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard`` and
+    ``run_summary``.
     ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
     run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
     or other workers continue, with one line saying what changed.
@@ -195,6 +198,7 @@ class MoHLightningCLI(LightningCLI):
         parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
         parser.add_lightning_class_args(ExactResumeCallback, "exact_resume")
         parser.add_lightning_class_args(FiniteLossGuard, "finite_loss_guard")
+        parser.add_lightning_class_args(RunSummary, "run_summary")
         # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
         # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
         # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
@@ -232,6 +236,34 @@ class MoHLightningCLI(LightningCLI):
             raise SystemExit(f"moh: {one_line_error(str(error))}") from None
 
 
+# Messages a user of `moh` can do nothing about, each silenced by its text and the module that emits it:
+# torchdata's own call of a deprecated torch function, Lightning's own use of a deprecated torch class, and
+# Lightning's advertisement for another logger.
+_QUIET_WARNINGS = ((r"'set_vital' is deprecated", UserWarning, r"torchdata\.stateful_dataloader"),
+                   (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+                    r"lightning\.pytorch\.utilities\._pytree"))
+_QUIET_INFO = ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging")
+
+
+def quiet_third_party() -> None:
+    """Silences the third-party messages in ``_QUIET_WARNINGS`` and ``_QUIET_INFO``, and nothing else."""
+    for message, category, module in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    name, prefix = _QUIET_INFO
+    logger = logging.getLogger(name)
+    if not any(getattr(f, "prefix", None) == prefix for f in logger.filters):
+        logger.addFilter(_DropPrefix(prefix))
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def _tool(name: str) -> Callable:
     module, _, function = TOOLS[name].partition(":")
     return getattr(importlib.import_module(module), function)
@@ -243,6 +275,7 @@ def main(args: Sequence[str] | None = None) -> None:
     A checkpoint refused for what its pickle names (resumed, validated or read by a tool) stops in one line.
     """
     given = list(sys.argv[1:] if args is None else args)
+    quiet_third_party()
     try:
         if given and given[0] in TOOLS:
             CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)

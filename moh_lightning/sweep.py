@@ -317,6 +317,7 @@ def _trial_result(trial: dict, error: BaseException | None, reported: dict | Non
         out.status = STATUS_FINISHED
         out.metrics = {k: float(v) for k, v in reported["metrics"].items()}
         out.run_dir = reported.get("run_dir")
+        out.node = reported.get("node")
     return out
 
 
@@ -365,6 +366,7 @@ def _capture_trainer() -> Iterator[list]:
 
 def _trainable(config: dict, fit_config: str, runs: str, cwd: str, extra_args: list[str], threads: int) -> None:
     """Ray Tune trainable: one ``moh fit`` run in this process; reports its final metrics."""
+    import ray
     from ray import tune
 
     trial = config["trial"]
@@ -392,7 +394,8 @@ def _trainable(config: dict, fit_config: str, runs: str, cwd: str, extra_args: l
     trainer = captured[0]
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
                if not isinstance(v, torch.Tensor) or v.numel() == 1}
-    report = {"metrics": metrics, "run_dir": trainer.log_dir, "global_step": trainer.global_step}
+    report = {"metrics": metrics, "run_dir": trainer.log_dir, "global_step": trainer.global_step,
+              "node": ray.util.get_node_ip_address()}
     run_root.mkdir(parents=True, exist_ok=True)
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(report))

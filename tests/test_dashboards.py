@@ -169,7 +169,7 @@ def test_hparams_have_one_vocabulary_read_from_the_built_model():
 def test_dense_model_gets_hparams_and_a_summary_but_no_heatmaps(tmp_path):
     trainer = _fit(TinyTask(dense=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
     folder = Path(trainer.log_dir) / "head_load"
-    assert "No routed MoH layer measured" in (folder / "summary.md").read_text()
+    assert "No routed head measured (a dense model" in (folder / "summary.md").read_text()
     assert not (folder / "layers.png").exists()
     assert not any(column.startswith("head_load") for column in _csv_rows(Path(trainer.log_dir))[0])
 

@@ -1,5 +1,6 @@
 """Cross-cutting concerns of every task, as Lightning callbacks."""
 from moh_lightning.callbacks.head_load import HeadLoadCallback
 from moh_lightning.callbacks.reliability import ExactResumeCallback, FiniteLossGuard, StepCheckpoint
+from moh_lightning.callbacks.run_summary import RunSummary
 
-__all__ = ["ExactResumeCallback", "FiniteLossGuard", "HeadLoadCallback", "StepCheckpoint"]
+__all__ = ["ExactResumeCallback", "FiniteLossGuard", "HeadLoadCallback", "RunSummary", "StepCheckpoint"]

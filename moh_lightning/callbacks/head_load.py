@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
@@ -320,6 +321,11 @@ class HeadLoadCallback(Callback):
         if snapshot.routed_layers and (self._windows - 1) % self.images_every_n_windows == 0:
             self._log_image(trainer, "head_load/heatmap_train", layer_card(snapshot), step)
 
+    @property
+    def collapsed_heads(self) -> list[tuple[int, int]]:
+        """(layer, head) of every routed head that has collapsed so far, in the order they did."""
+        return list(dict.fromkeys((event["layer"], event["head"]) for event in self._collapse_events))
+
     def _track_collapse(self, trainer: Trainer, index: int, routed_load: torch.Tensor, shared: int) -> int:
         """Counts consecutive starved windows per routed head; warns once when a head reaches ``collapse_windows``."""
         previous = self._starved_windows.get(index, torch.zeros_like(routed_load, dtype=torch.long))
@@ -413,7 +419,7 @@ class HeadLoadCallback(Callback):
         self._last_val = snapshot
         # trainer.log_dir broadcasts from rank 0 under DDP / FSDP: every rank must ask, or rank 0 waits forever.
         folder = _head_load_folder(trainer)
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or folder is None:
             return
         loads_file = snapshot.save(folder)
         for logger in trainer.loggers:
@@ -430,7 +436,7 @@ class HeadLoadCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         snapshot = self._last_val or self._last_train
         folder = _head_load_folder(trainer)
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or folder is None:
             return
         final: dict[str, float] = {}
         if snapshot is not None:
@@ -442,9 +448,10 @@ class HeadLoadCallback(Callback):
                 logger.log_metrics(final, step=trainer.global_step)
         metrics = {name: _scalar(trainer.callback_metrics.get(name)) for name in self.hparam_metrics}
         metrics = {name: value for name, value in {**metrics, **final}.items() if value is not None}
-        if snapshot is None:  # dense models, or a run too short for one logging window
-            text = (f"# Head load at the end of {_run_name(trainer) or 'the run'}\n\nNo routed MoH layer measured "
-                    "(dense model, or no logging window completed).\n")
+        if snapshot is None:
+            why = ("no logging window completed" if self._routed_layers()
+                   else "a dense model: no layer has routed heads")
+            text = f"# Head load at the end of {_run_name(trainer) or 'the run'}\n\nNo routed head measured ({why}).\n"
         else:
             text = summary_markdown(snapshot, self._collapse_events, self._hparams, metrics, self.low_load)
         folder.mkdir(parents=True, exist_ok=True)
@@ -560,11 +567,15 @@ def _run_name(trainer: Trainer) -> str:
     return f"{name}/version_{version}" if isinstance(version, int) else f"{name}/{version}" if version else name
 
 
-def _head_load_folder(trainer: Trainer) -> Path:
+def _head_load_folder(trainer: Trainer) -> Path | None:
     """``head_load/`` in the run's own folder: the version folder of TensorBoard / CSV, the W&B run's files (which
-    W&B uploads with the run), or a folder per MLflow run beside MLflow's store. Call it on every rank."""
+    W&B uploads with the run), or a folder per MLflow run beside MLflow's store; None for a run without a run folder
+    (no logger, or ``fast_dev_run``), which writes nothing. Call it on every rank."""
     # trainer.log_dir broadcasts from rank 0 under DDP / FSDP: every rank must ask, or rank 0 waits forever.
-    root = Path(trainer.log_dir or trainer.default_root_dir)
+    log_dir = trainer.log_dir
+    if log_dir is None or all(isinstance(logger, DummyLogger) for logger in trainer.loggers):
+        return None  # without a logger Lightning's log_dir is the working folder, which is not the run's
+    root = Path(log_dir)
     logger = trainer.logger
     if trainer.is_global_zero and isinstance(logger, WandbLogger):
         return Path(logger.experiment.dir) / "head_load"

@@ -66,10 +66,12 @@ class StepCheckpoint(ModelCheckpoint):
             compat.save_last(self, trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.fast_dev_run:  # no run folder: ModelCheckpoint's own end-of-fit `last` would land in the cwd
+            return
         super().on_train_end(trainer, pl_module)
         # Any other stop (max_time, ...): ModelCheckpoint saves `last` at the end only if it never saved before,
         # which would lose the steps after the last multiple of every_n_train_steps.
-        if compat.last_saved_step(self) != trainer.global_step and not trainer.fast_dev_run:
+        if compat.last_saved_step(self) != trainer.global_step:
             compat.save_last(self, trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

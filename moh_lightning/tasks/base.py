@@ -80,6 +80,21 @@ class MoHTask(LightningModule):
                 and getattr(self.model, "_compiled_call_impl", None) is None:
             self.model.compile(**self.compile_kwargs)
 
+    @property
+    def example_input_array(self) -> torch.Tensor | tuple | None:
+        """One sample of the training shape (``example_input``), so that the model summary counts FLOPs.
+
+        None before the model is built, and under FSDP, where the summary's forward on rank 0 alone would wait for
+        the other ranks' shards.
+        """
+        if self.model is None or self._trainer is not None and isinstance(self._trainer.strategy, FSDPStrategy):
+            return None
+        return self.example_input()
+
+    def example_input(self) -> torch.Tensor | tuple | None:
+        """The ``forward`` arguments of one sample of the training shape; None when the task cannot tell."""
+        return None
+
     def head_load_groups(self, batch) -> torch.Tensor | None:
         """The group (B,) of each sample of ``batch`` for the per-group head-load views; None when it has none."""
         return None

@@ -81,6 +81,10 @@ class ImageClassifier(MoHTask):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
 
+    def example_input(self) -> torch.Tensor:
+        embed = self.model.patch_embed  # timm's ViT and TransNeXt both keep the input side they were built for
+        return torch.zeros(1, embed.proj.in_channels, *embed.img_size)
+
     def setup(self, stage: str) -> None:
         data_classes = getattr(self.trainer.datamodule, "num_classes", None)
         if isinstance(data_classes, int) and data_classes != self.model.num_classes:

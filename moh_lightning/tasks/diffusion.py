@@ -138,6 +138,11 @@ class ClassConditionalDiffusion(MoHTask):
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model(x, t, y)
 
+    def example_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        config = self.model.config
+        x = torch.zeros(1, config.in_channels, config.input_size, config.input_size)
+        return x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+
     def _diffusion_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         x0, y = batch
         t = torch.randint(0, self.criterion.num_timesteps, (x0.shape[0],), device=x0.device)

@@ -66,6 +66,9 @@ class LanguageModel(MoHTask):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def example_input(self) -> torch.Tensor:
+        return torch.zeros(1, self.config.block_size, dtype=torch.long)
+
     def setup(self, stage: str) -> None:
         data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
         if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:

@@ -31,6 +31,7 @@ class TrialResult:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     run_dir: str | None = None
+    node: str | None = None       # IP address of the Ray node the trial finished on
 
 
 @dataclass
@@ -170,10 +171,11 @@ def write_report(out: Path, trials: list[TrialResult], cells: list[dict[str, Any
 
     with open(paths["trials"], "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial", *keys, "seed", "status", metric, "run_dir", "error"])
+        writer.writerow(["trial", *keys, "seed", "status", metric, "node", "run_dir", "error"])
         for t in trials:
             writer.writerow([t.name, *[format_value(cells[t.cell][k]) for k in keys], t.seed, t.status,
-                             _num(t.metrics.get(metric, math.nan), ".8g"), t.run_dir or "", t.error or ""])
+                             _num(t.metrics.get(metric, math.nan), ".8g"), t.node or "", t.run_dir or "",
+                             t.error or ""])
 
     plot(paths["plot"], trials, labels, metric, mode, baseline)
 

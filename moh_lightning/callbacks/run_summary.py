@@ -1,0 +1,87 @@
+"""The lines a finished ``moh fit`` ends on: where the run went, how it did, and the head budget it used."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from moh_lightning.callbacks.head_load import HeadLoadCallback
+from moh_lightning.callbacks.reliability import StepCheckpoint
+from moh_lightning.layers import activated_head_fraction, moh_layers
+
+
+class RunSummary(Callback):
+    """Prints a short summary when ``fit`` ends, below the progress bar.
+
+    The run folder; the monitored metric's best and final value and the checkpoint holding the best (the first
+    ``ModelCheckpoint`` with a metric to monitor; else the final ``val/loss`` and ``last.ckpt``); the head budget
+    the model used (share of heads active per token, routed heads that collapsed); and the ``tensorboard`` command
+    that opens the run.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lines: list[str] = []
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.fast_dev_run:
+            self._lines = summary_lines(trainer, pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._lines:
+            # Rich's bar draws its last frame when it stops, in its own teardown, which may come after this one:
+            # stopped here first (stopping twice is harmless), it stays above the summary.
+            if trainer.progress_bar_callback is not None:
+                trainer.progress_bar_callback.teardown(trainer, pl_module, stage)
+            print("\n".join(self._lines))
+            self._lines = []
+
+
+def summary_lines(trainer: Trainer, pl_module: LightningModule) -> list[str]:
+    """The summary's lines (see ``RunSummary``)."""
+    lines = [f"moh fit finished at step {trainer.global_step} (epoch {trainer.current_epoch})."]
+    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
+    if loggers and trainer.log_dir:
+        lines.append(f"  run folder:  {trainer.log_dir}")
+    lines.append(f"  {_metric_line(trainer)}")
+    model = getattr(pl_module, "model", None) or pl_module
+    routed = moh_layers(model)
+    budget = f"{activated_head_fraction(model):.1%} of heads active per token"
+    if routed:
+        collapsed = next((cb.collapsed_heads for cb in trainer.callbacks if isinstance(cb, HeadLoadCallback)), [])
+        shown = ", ".join(f"layer {layer} head {head}" for layer, head in collapsed)
+        budget += f", {len(routed)} routed layers; collapsed heads: {shown or 'none'}"
+    else:
+        budget += " (dense: no routed layer)"
+    lines.append(f"  head budget: {budget}")
+    board = next((logger for logger in loggers if isinstance(logger, TensorBoardLogger)), None)
+    if board is not None:
+        lines.append(f"  dashboards:  tensorboard --logdir {Path(board.root_dir)}")
+    return lines
+
+
+def _metric_line(trainer: Trainer) -> str:
+    monitored = next((cb for cb in trainer.checkpoint_callbacks
+                      if isinstance(cb, ModelCheckpoint) and not isinstance(cb, StepCheckpoint) and cb.monitor), None)
+    if monitored is not None:
+        name, best = monitored.monitor, monitored.best_model_score
+        final = _value(trainer.callback_metrics.get(name))
+        best_text = f"best {best.item():.4g} ({monitored.best_model_path})" if best is not None else "no best yet"
+        return f"{name}: final {final}, {best_text}"
+    last = next((cb.last_model_path for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
+                 and cb.last_model_path), None)
+    name = "val/loss" if "val/loss" in trainer.callback_metrics else None
+    shown = f"{name}: final {_value(trainer.callback_metrics.get(name))}" if name else "no validation metric"
+    return f"{shown} (no metric monitored); last checkpoint: {last or 'none written'}"
+
+
+def _value(tensor) -> str:
+    return "not logged" if tensor is None else f"{float(tensor):.4g}"
+
+
+__all__ = ["RunSummary", "summary_lines"]

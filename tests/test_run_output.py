@@ -1,0 +1,71 @@
+"""What a person reads from ``moh fit``: no third-party noise, a model summary that counts FLOPs, and a closing summary
+saying where the run went and how it did; a run without a run folder writes nothing."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from moh_lightning.cli import quiet_third_party
+
+SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+         "--data.init_args.batch_size=32"]
+
+
+def _moh(folder: Path, *args: str) -> tuple[str, str]:
+    """``moh <args>`` run as a user runs it, in ``folder``; its stdout and its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main()", *args], cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, done.stderr
+
+
+def test_a_first_fit_reads_cleanly_and_ends_with_a_summary(tmp_path):
+    stdout, stderr = _moh(tmp_path, "fit", "--config", "vit_tiny_mnist_75.yaml", *SMOKE)
+    out = stdout + stderr
+    for noise in ("set_vital", "LeafSpec", "litlogger"):
+        assert noise not in out
+    flops = re.search(r"Total FLOPs: ([\d.]+) ?(\w?)", out)
+    assert flops and float(flops.group(1)) > 0, "the model summary ran no example input"
+    summary = out[out.index("moh fit finished"):]
+    assert "run folder:  runs/vit_tiny_mnist_75/version_0" in summary
+    best = re.search(r"val/acc1: final [\d.]+, best [\d.]+ \((\S+\.ckpt)\)", summary)
+    assert best and (tmp_path / best.group(1)).is_file()
+    assert "75.0% of heads active per token, 6 routed layers; collapsed heads: none" in summary
+    assert "tensorboard --logdir runs/vit_tiny_mnist_75" in summary
+    assert stdout.rstrip().endswith("tensorboard --logdir runs/vit_tiny_mnist_75"), "the summary comes last"
+
+
+def test_fast_dev_run_writes_nothing_in_the_working_folder(tmp_path):
+    _moh(tmp_path, "fit", "--config", "vit_tiny_mnist_75.yaml", "--trainer.fast_dev_run", "true")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_only_the_named_third_party_messages_are_silenced():
+    quiet_third_party()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_third_party()  # after a reset of the filters: the suite's own filters come back on top
+        warnings.warn_explicit("'set_vital' is deprecated", UserWarning, "x.py", 1,
+                               module="torchdata.stateful_dataloader.stateful_dataloader")
+        warnings.warn_explicit("'set_vital' is deprecated", UserWarning, "x.py", 1, module="my_code")
+        warnings.warn_explicit("another torchdata warning", UserWarning, "x.py", 1,
+                               module="torchdata.stateful_dataloader.stateful_dataloader")
+    assert [str(w.message) for w in caught] == ["'set_vital' is deprecated", "another torchdata warning"]
+
+
+@pytest.mark.parametrize("moh", ["null", "{num_shared_heads: 2, top_k: 4}"])
+def test_summary_names_the_budget_of_dense_and_moh_models(run_dir, capsys, moh):
+    from moh_lightning.cli import main
+
+    main(["fit", "--config", "vit_tiny_mnist_75.yaml", "--model.init_args.arch.moh", moh, *SMOKE,
+          "--data.init_args.batch_size=16", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"])
+    budget = next(line for line in capsys.readouterr().out.splitlines() if "head budget:" in line)
+    assert ("dense: no routed layer" in budget) == (moh == "null")
+    assert ("100.0%" in budget) == (moh == "null")
