@@ -259,8 +259,10 @@ def _run_on_tune(trials: list[dict], config_path: Path, out_dir: Path, address: 
                                  cwd=os.getcwd(), extra_args=extra_args, threads=cpus_per_trial),
             {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
         if restore:
+            # Resumed, not restarted: a restarted trial is a new Tune trial in a new folder (`<trial>_1a2b`), whose
+            # result would not be found by name. The trainable itself continues from the run's last checkpoint.
             tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
-                                       restart_errored=retry_failed)
+                                       resume_errored=retry_failed)
         else:
             tuner = tune.Tuner(
                 trainable,
