@@ -25,7 +25,7 @@ def test_dense_dit_checkpoint_loads_with_fresh_routers(tmp_path):
         assert torch.equal(own[key], value), key
     assert any(".router." in key for key in own)
     assert task.hparams.init_from_dense == str(tmp_path / "dense.pt")
-    assert "init_from_dense" not in ClassConditionalDiffusion(arch=DiTConfig(**SHAPE)).hparams
+    assert ClassConditionalDiffusion(arch=DiTConfig(**SHAPE)).hparams.init_from_dense is None
 
     with pytest.raises(ValueError, match="not a dense DiT of this config") as error:
         ClassConditionalDiffusion(arch=DiTConfig(**dict(SHAPE, depth=3)), init_from_dense=str(tmp_path / "dense.pt"))

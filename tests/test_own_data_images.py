@@ -27,9 +27,9 @@ def test_both_modules_take_timms_switch_names():
 def test_folder_defaults_stay_the_imagenet_recipe(tmp_path, write_image_folder):
     write_image_folder(tmp_path)
     dm = ImageFolderDataModule(str(tmp_path), img_size=32, num_workers=0)
-    # the switches added here are not recorded while at their defaults: old configs record what they did before
     assert set(dm.hparams) == {"data_dir", "img_size", "batch_size", "num_workers", "auto_augment", "re_prob",
-                               "crop_pct", "interpolation", "on_corrupt"}
+                               "crop_pct", "interpolation", "on_corrupt", "crop_scale", "hflip", "mean", "std",
+                               "in_chans"}
     dm.setup("fit")
     (crop,) = _parts(dm.train_set.transform, RandomResizedCropAndInterpolation)
     assert crop.scale == (0.08, 1.0)
@@ -59,7 +59,7 @@ def test_folder_switches_and_grayscale(tmp_path, write_image_folder):
 
 def test_mnist_takes_the_same_switches():
     dm = MNISTDataModule(crop_scale=(0.85, 1.0), auto_augment=None, re_prob=0.0)
-    assert "hflip" not in dm.hparams and dm.hparams.crop_scale == (0.85, 1.0)
+    assert dm.hparams.hflip == 0.0 and dm.hparams.crop_scale == (0.85, 1.0)
     dm.setup("fit")
     assert _parts(dm.train_set.transform, T.RandomHorizontalFlip) == []
     rgb = MNISTDataModule(in_chans=3, hflip=0.5, auto_augment=None, re_prob=0.0)

@@ -46,7 +46,7 @@ def test_split_rules(tmp_path):
     assert meta["split_by"] == "tokens" and abs(len(val) / (len(train) + len(val)) - 0.2) < 0.01
     with pytest.raises(ValueError, match="split_by"):
         TextDataModule(split_by="lines")
-    assert "split_by" not in TextDataModule().hparams and TextDataModule(split_by="tokens").hparams.split_by
+    assert TextDataModule().hparams.split_by == "auto" and TextDataModule(split_by="tokens").hparams.split_by
 
 
 def test_hugging_face_tokenizer_splits_by_tokens(tmp_path):

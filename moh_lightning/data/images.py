@@ -5,7 +5,6 @@ split once with a fixed seed into train and validation.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import random
 from pathlib import Path
@@ -69,22 +68,6 @@ def grayscale_loader(path: str) -> Image.Image:
     """Opens an image as one channel (PIL mode ``L``); a module function so loader workers can pickle it."""
     with open(path, "rb") as file:
         return Image.open(file).convert("L")
-
-
-def _save_switches(module: LightningDataModule, new: dict, defaults: dict) -> None:
-    """``save_hyperparameters`` leaving out the switches added by issue 13 while they are at their defaults.
-
-    A run of a config written before the switches existed records the same hyper-parameters as before (what the
-    shipped configs' snapshot test compares); a switch that is set is recorded. Every switch's value is kept in
-    ``module.switches``, and the run folder's ``config.yaml`` holds them all.
-    """
-    module.switches = dict(new)
-    module.save_hyperparameters(ignore=[k for k, v in new.items() if _plain(v) == _plain(defaults[k])],
-                                frame=inspect.currentframe().f_back)
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value
 
 
 def _normalisation(in_chans: int, mean, std, default_mean, default_std) -> tuple[tuple, tuple]:
@@ -181,8 +164,7 @@ class ImageFolderDataModule(LightningDataModule):
             in_chans: int = 3,
     ) -> None:
         super().__init__()
-        _save_switches(self, dict(crop_scale=crop_scale, hflip=hflip, mean=mean, std=std, in_chans=in_chans),
-                       dict(crop_scale=(0.08, 1.0), hflip=0.5, mean=None, std=None, in_chans=3))
+        self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         if on_corrupt not in ("skip", "error"):
             raise ValueError(f"data.init_args.on_corrupt={on_corrupt!r}: choose 'skip' or 'error'.")
@@ -201,11 +183,10 @@ class ImageFolderDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
-        sw = self.switches
-        train_tf, val_tf = image_transforms(hp.img_size, sw["in_chans"], sw["crop_scale"], sw["hflip"],
+        train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip,
                                             hp.auto_augment, hp.re_prob, hp.interpolation, hp.crop_pct, self.mean,
                                             self.std)
-        gray = sw["in_chans"] == 1
+        gray = hp.in_chans == 1
         if stage in (None, "fit"):
             self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt, gray)
         self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt, gray)
@@ -224,7 +205,7 @@ class ImageFolderDataModule(LightningDataModule):
 
     @property
     def in_chans(self) -> int:
-        return self.switches["in_chans"]
+        return self.hparams.in_chans
 
     def train_dataloader(self) -> StatefulDataLoader:
         return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer,
@@ -300,24 +281,21 @@ class MNISTDataModule(LightningDataModule):
             in_chans: int = 1,
     ) -> None:
         super().__init__()
-        _save_switches(self, dict(hflip=hflip, mean=mean, std=std, interpolation=interpolation, crop_pct=crop_pct,
-                                  in_chans=in_chans),
-                       dict(hflip=0.0, mean=None, std=None, interpolation="bilinear", crop_pct=1.0, in_chans=1))
+        self.save_hyperparameters()
         self.mean, self.std = _normalisation(in_chans, mean, std, MNIST_MEAN, MNIST_STD)
         self.train_set: ArrayImageDataset | None = None
         self.val_set: ArrayImageDataset | None = None
 
     @property
     def in_chans(self) -> int:
-        return self.switches["in_chans"]
+        return self.hparams.in_chans
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         splits = load_mnist_5k(hp.val_fraction, hp.split_seed)
-        sw = self.switches
-        train_tf, val_tf = image_transforms(hp.img_size, sw["in_chans"], hp.crop_scale, sw["hflip"], hp.auto_augment,
-                                            hp.re_prob, sw["interpolation"], sw["crop_pct"], self.mean, self.std)
-        mode = "L" if sw["in_chans"] == 1 else "RGB"
+        train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,
+                                            hp.re_prob, hp.interpolation, hp.crop_pct, self.mean, self.std)
+        mode = "L" if hp.in_chans == 1 else "RGB"
         self.train_set = ArrayImageDataset(*splits["train"], transform=train_tf, mode=mode)
         self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf, mode=mode)
 

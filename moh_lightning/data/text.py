@@ -325,8 +325,7 @@ class TextDataModule(LightningDataModule):
             split_by: SplitRule = "auto",
     ) -> None:
         super().__init__()
-        # split_by is recorded once set: configs written before it existed record what they did before
-        self.save_hyperparameters(ignore=["split_by"] if split_by == "auto" else None)
+        self.save_hyperparameters()
         if split_by not in SPLIT_RULES:
             raise ValueError(f"data.init_args.split_by={split_by!r}: choose one of {', '.join(SPLIT_RULES)}.")
         self.split_by = split_by

@@ -120,8 +120,7 @@ class ClassConditionalDiffusion(MoHTask):
             raise ValueError(f"snr_gamma={snr_gamma} must be > 0, or null for DiT's unweighted loss.")
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: choose 'ddpm' or 'ddim'.")
-        # init_from_dense is recorded once set: configs written before it existed record what they did before
-        self.save_hyperparameters(ignore=None if init_from_dense else ["init_from_dense"])
+        self.save_hyperparameters()
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
         if init_from_dense:
