@@ -1,4 +1,4 @@
-"""Issue 13: a MoH-DiT starts from a dense DiT checkpoint in the authors' layout, routers fresh."""
+"""A MoH-DiT starts from a dense DiT checkpoint in the authors' layout, routers fresh."""
 from __future__ import annotations
 
 import pytest

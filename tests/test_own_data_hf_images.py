@@ -1,4 +1,4 @@
-"""Issue 13: a Hugging Face ``datasets`` image data module (a local imagefolder here; hub ids the same way)."""
+"""A Hugging Face ``datasets`` image data module (a local imagefolder here; hub ids the same way)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 13, images: timm's augmentation switches on the folder and MNIST modules, grayscale folders, digits."""
+"""Images: timm's augmentation switches on the folder and MNIST modules, grayscale folders, digits."""
 from __future__ import annotations
 
 import inspect

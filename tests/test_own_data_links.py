@@ -1,4 +1,4 @@
-"""Issue 13: num_classes, vocab_size and in_chans reach the model from the data (LightningCLI link_arguments)."""
+"""num_classes, vocab_size and in_chans reach the model from the data (LightningCLI link_arguments)."""
 from __future__ import annotations
 
 import numpy as np

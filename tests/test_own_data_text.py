@@ -1,4 +1,4 @@
-"""Issue 13, text: a source split by a held-out block of its tokens; a single text file trains as it is."""
+"""Text: a source split by a held-out block of its tokens; a single text file trains as it is."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 13: a MoH-ViT starts from dense timm ViT weights (a local file here; a timm name online), routers fresh."""
+"""A MoH-ViT starts from dense timm ViT weights (a local file here; a timm name online), routers fresh."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 13: every tool reads the checkpoint's task first and, given another kind, stops in one line."""
+"""Every tool reads the checkpoint's task first and, given another kind, stops in one line."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Runs that survive, part 2: a corrupt newest checkpoint, loader workers, SIGTERM, a full disk (issue 14).
+"""Runs that survive, part 2: a corrupt newest checkpoint, loader workers, SIGTERM, a full disk.
 
 The runs are the embedded ViT shrunk to seconds (one block, 16 images a batch, 5 batches an epoch, 7 steps, every
 random augmentation on, 2 loader workers, checkpoints every 3 steps), so a stop at step 5 resumes mid-epoch 0 from the

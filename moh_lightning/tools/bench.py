@@ -37,7 +37,7 @@ HEADS, HEAD_DIM, BATCH, SHARED = 8, 64, 4, 2
 # nearest, 7 of 8, stands for it.
 FRACTIONS = {"50%": 2, "75%": 4, "88%": 5}
 LONG = 1024  # longer sequences get one warm-up run and no dense-and-mask column
-# Issue 15's targets for the attention core: (causal, N, fraction) -> minimum speedup over MHA.
+# The speed targets for the attention core: (causal, N, fraction) -> minimum speedup over MHA.
 CORE_TARGETS = {(True, 4096, "50%"): 1.8, (True, 1024, "50%"): 1.7, (True, 4096, "75%"): 1.25,
                 (False, 1024, "50%"): 1.75}
 # Why a target can be missed on a CPU, by the target's first words; printed under the targets for each one missed.
@@ -176,7 +176,7 @@ def bench(quick: bool = False, output: str = "results/bench_attention.md", repea
     header = _machine(load_before, load_after, time.time() - started, command, repeats, warmup, timer)
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    summary = ["## Targets (issue 15)", ""]
+    summary = ["## Targets", ""]
     if report.targets:
         summary_report = Report()
         summary_report.table(["target", "wanted", "measured", ""], report.targets)
