@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from moh_lightning.cli import main as moh
 from moh_lightning.layers import QueryNormRouter
+from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tools.authors_llama import authors_budget, load_authors_llama
-from moh_lightning.tools.checkpoints import load_language_model
 
 # The keys of config.json their modelling code reads (LLaMA3-8B's, at a tiny size: 8 heads of 8, 2 key/value heads).
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "auto_map": {

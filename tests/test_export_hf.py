@@ -15,8 +15,8 @@ from moh_lightning.data.text import TextDataModule, TextSource
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.convert_llama import export_hf
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
+from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel
-from moh_lightning.tools.checkpoints import load_language_model
 
 # 3 layers of 8 heads with grouped-query attention and one budget per layer: 2 shared + top-3 of 6 routed, no shared
 # + top-2 of 8 (the routed-only router), all 8 shared (shared gates only).

@@ -26,8 +26,8 @@ from moh_lightning.data.text import (
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, sample
+from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel, warmup_cosine
-from moh_lightning.tools.checkpoints import load_language_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "cli_configs"
 

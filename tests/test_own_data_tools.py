@@ -6,7 +6,7 @@ import torch
 
 from moh_lightning.cli import main as moh
 from moh_lightning.models.llama import LlamaConfig
-from moh_lightning.tools.checkpoints import checkpoint_task, read_checkpoint
+from moh_lightning.tasks.checkpoints import checkpoint_task, read_checkpoint
 
 
 def _checkpoint(path, class_path):

@@ -31,7 +31,6 @@ re-computation written from their formulas, and ``results/authors_models.md`` ag
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch
 from moh_lightning.configs import load_config
 from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
 from moh_lightning.serialization import read_weights_file
+from moh_lightning.tasks.checkpoints import one_line_errors, write_checkpoint
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
 #: The authors' released MoH-DiT: hub repo and the shipped experiment config that is the same network.
@@ -147,30 +147,6 @@ def experiment_init_args(experiment: str) -> dict:
     return load_config(experiment)
 
 
-@contextmanager
-def one_line_errors(tool: str):
-    """A missing file, an unreachable hub or weights that do not fit stop the tool with one line saying so."""
-    try:
-        yield
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"moh {tool}: {error}") from None
-
-
-def write_checkpoint(path: str | Path, task: type, task_hparams: dict, state_dict: dict[str, torch.Tensor],
-                     datamodule_hparams: dict) -> Path:
-    """A checkpoint of ``task`` in the layout ``moh fit`` writes and the tools read (``load_from_checkpoint``, the
-    data module's hyper-parameters, the task's class path), for weights that were not trained here."""
-    import lightning
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    task_hparams = {"_class_path": f"{task.__module__}.{task.__qualname__}", **task_hparams}
-    torch.save({"state_dict": state_dict, "hyper_parameters": task_hparams,
-                "datamodule_hyper_parameters": datamodule_hparams, "pytorch-lightning_version": lightning.__version__,
-                "epoch": 0, "global_step": 0}, path)
-    return path
-
-
 def load_authors_dit_tool(
         source: str = AUTHORS_DIT["MoH-DiT-XL/2-90"]["hub"],
         out: str = "authors_dit.ckpt",
@@ -216,5 +192,4 @@ def load_authors_dit_tool(
 
 
 __all__ = ["AUTHORS_DIT", "AUTHORS_SAMPLING", "ROUTER_NAMES", "authors_to_dit_state_dict", "experiment_init_args",
-           "load_authors_dit", "load_authors_dit_tool", "load_authors_weights", "one_line_errors", "read_state_dict",
-           "write_checkpoint"]
+           "load_authors_dit", "load_authors_dit_tool", "load_authors_weights", "read_state_dict"]

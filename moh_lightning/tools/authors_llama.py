@@ -33,8 +33,8 @@ from moh_lightning.models.convert_llama import (
 )
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, RotaryEmbedding
 from moh_lightning.serialization import read_weights_file
+from moh_lightning.tasks.checkpoints import one_line_errors, write_checkpoint
 from moh_lightning.tasks.language_model import LanguageModel
-from moh_lightning.tools.authors_dit import one_line_errors, write_checkpoint
 
 AUTHORS_LLAMA_HUB = "Chat-UniVi/MoH-LLaMA3-8B"
 #: Files of a Hugging Face model folder the loader needs (no modelling code is downloaded or run).

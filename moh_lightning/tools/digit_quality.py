@@ -47,7 +47,7 @@ def score_digits(samples: np.ndarray, labels: np.ndarray, classifier: str) -> di
     if not Path(classifier).is_file():
         raise SystemExit(f"digit_quality: --classifier {classifier}: no such checkpoint; train one with "
                          f"`moh fit --config vit_tiny_mnist_75.yaml`.")
-    from moh_lightning.tools.checkpoints import read_checkpoint
+    from moh_lightning.tasks.checkpoints import read_checkpoint
 
     read_checkpoint(classifier, ImageClassifier, "digit_quality")  # another task's checkpoint: one line, its tool
     model = ImageClassifier.load_from_checkpoint(classifier, map_location="cpu", weights_only=True).model.eval()

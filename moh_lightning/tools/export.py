@@ -7,7 +7,7 @@ import torch
 
 from moh_lightning.data.text import load_tokenizer
 from moh_lightning.models.convert_llama import export_hf, from_hf
-from moh_lightning.tools.checkpoints import load_language_model
+from moh_lightning.tasks.checkpoints import load_language_model
 
 
 def convert_llama(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,

@@ -42,8 +42,8 @@ def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: 
     """
     import timm
 
+    from moh_lightning.tasks.checkpoints import read_checkpoint
     from moh_lightning.tasks.classification import ImageClassifier, TransNeXtClassifier
-    from moh_lightning.tools.checkpoints import read_checkpoint
 
     raw = read_checkpoint(checkpoint, (ImageClassifier, TransNeXtClassifier), "export-timm")
     family, arch = _classifier(raw, checkpoint)

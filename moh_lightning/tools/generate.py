@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from moh_lightning.data.text import load_tokenizer
-from moh_lightning.tools.checkpoints import load_language_model
+from moh_lightning.tasks.checkpoints import load_language_model
 
 
 def generate(

@@ -55,7 +55,7 @@ class MoHLM(HFLM):
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 1,
                  max_length: int | None = None, device: str = "cpu", **kwargs) -> None:
         from moh_lightning.data.text import load_tokenizer
-        from moh_lightning.tools.checkpoints import load_language_model
+        from moh_lightning.tasks.checkpoints import load_language_model
 
         task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")
         name = tokenizer or data_hparams.get("tokenizer")

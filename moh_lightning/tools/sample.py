@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, Sampler
-from moh_lightning.tools.checkpoints import read_checkpoint
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

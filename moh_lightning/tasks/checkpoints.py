@@ -1,4 +1,4 @@
-"""Loading ``moh fit`` checkpoints for the tools that evaluate or export them.
+"""Reading and writing task checkpoints for the tools that evaluate, export or convert them.
 
 Every tool reads the checkpoint's task first (``read_checkpoint``): given another kind of checkpoint it stops in one
 line naming the kind it got and the tool that fits, instead of failing inside the wrong class's ``__init__``; given a
@@ -7,7 +7,10 @@ too, and nothing in the file has run (``serialization.load_file``).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 from moh_lightning.tasks.language_model import LanguageModel
@@ -94,4 +97,29 @@ def load_language_model(checkpoint: str | Path, map_location: str = "cpu",
     return task.eval(), data_hparams
 
 
-__all__ = ["TOOLS_FOR", "checkpoint_task", "load_language_model", "read_checkpoint"]
+@contextmanager
+def one_line_errors(tool: str):
+    """A missing file, an unreachable hub or weights that do not fit stop the tool with one line saying so."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"moh {tool}: {error}") from None
+
+
+def write_checkpoint(path: str | Path, task: type, task_hparams: dict, state_dict: dict[str, torch.Tensor],
+                     datamodule_hparams: dict) -> Path:
+    """A checkpoint of ``task`` in the layout ``moh fit`` writes and the tools read (``load_from_checkpoint``, the
+    data module's hyper-parameters, the task's class path), for weights that were not trained here."""
+    import lightning
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    task_hparams = {"_class_path": f"{task.__module__}.{task.__qualname__}", **task_hparams}
+    torch.save({"state_dict": state_dict, "hyper_parameters": task_hparams,
+                "datamodule_hyper_parameters": datamodule_hparams, "pytorch-lightning_version": lightning.__version__,
+                "epoch": 0, "global_step": 0}, path)
+    return path
+
+
+__all__ = ["TOOLS_FOR", "checkpoint_task", "load_language_model", "one_line_errors", "read_checkpoint",
+           "write_checkpoint"]
