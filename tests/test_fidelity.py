@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import math
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from golden import load_golden
 from torch import nn
 from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
@@ -15,7 +17,7 @@ from moh_lightning.tools.fidelity import (
     SFID_FEATURE,
     SpatialInceptionV3,
     compute_fidelity,
-    inception_score_splits,
+    inception_score,
     load_images,
 )
 
@@ -95,11 +97,32 @@ def test_fidelity_tool_on_npz_and_folder(inception_weights, tmp_path):
 def test_inception_score_is_the_number_of_confident_classes_per_adm_split():
     """Confident predictions spread evenly over c classes score c; over ADM's 5,000-sample splits, the mean of the
     splits' scores: 4 classes in the first split and 2 in the second give 3, where one split of all 6 would give 6."""
-    from torch_fidelity.metric_isc import isc_featuresdict_to_metric
-
     logits = torch.full((10000, 1008), -30.0, dtype=torch.float64)
     labels = torch.cat([torch.arange(5000) % 4, 4 + torch.arange(5000) % 2])
     logits[torch.arange(10000), labels] = 30.0
-    score = isc_featuresdict_to_metric({"logits_unbiased": logits}, "logits_unbiased", samples_shuffle=False,
-                                       isc_splits=inception_score_splits(len(logits)), verbose=False)
-    assert score["inception_score_mean"] == pytest.approx(3.0, rel=1e-6)
+    mean, std = inception_score(logits)
+    assert mean == pytest.approx(3.0, rel=1e-6) and std == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [3000, 5000, 7000])
+def test_inception_score_equals_adms_evaluator_at_any_sample_count(n):
+    """ADM's own compute_inception_score on the same logits (golden file): at 7,000 its splits are 5,000 + 2,000
+    samples, in order; equal splits (3,500 + 3,500) or shuffled ones score otherwise."""
+    golden, metadata = load_golden("inception_score")
+    assert metadata["source"].startswith("openai/guided-diffusion@")
+    mean, _ = inception_score(golden["logits"][:n])
+    assert mean == pytest.approx(float(golden[f"is_{n}"]), rel=2e-6)
+
+
+def test_fidelity_scores_is_on_the_inception_logits(inception_weights):
+    """The IS of ``compute_fidelity`` is that of the network's unbiased logits (ADM's softmax input), not of the
+    2048-d pool features."""
+    images = _digits(12, 3)
+    net = SpatialInceptionV3("t", ["logits_unbiased", "2048"], feature_extractor_weights_path=inception_weights)
+    with torch.no_grad():
+        logits, pool = net(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous())
+    result = compute_fidelity(images, images, None, inception_weights, batch_size=6)
+    # A random network scores barely above 1: compare log IS, the mean KL itself.
+    expected = math.log(inception_score(logits)[0])
+    assert math.log(result["inception_score"]) == pytest.approx(expected, rel=1e-3)
+    assert math.log(inception_score(pool)[0]) != pytest.approx(expected, rel=0.2)

@@ -1,7 +1,10 @@
 """FID, sFID, IS, precision and recall of generated images through torch-fidelity, as ADM's evaluator reports them.
 
 torch-fidelity's ``inception-v3-compat`` extractor reproduces the TF Inception of the FID reference code, and gives
-FID (pool features, 2048), IS (unbiased logits) and precision / recall (pool features, k = 3 neighbours).
+FID (pool features, 2048), the logits and precision / recall (pool features, k = 3 neighbours). The IS is computed here
+from its unbiased logits (ADM's softmax input: the pool features times the logit weights, no bias), over ADM's
+fixed 5,000-sample chunks: torch-fidelity's IS takes a number of equal splits instead, which differs from ADM's score
+whenever N is not a multiple of 5,000.
 
 sFID (Nash et al., 2021) is not in torch-fidelity, so it is added here as a registered feature extractor. ADM's
 evaluator (openai/guided-diffusion ``evaluations/evaluator.py``) takes the TF tensor ``mixed_6/conv:0``, keeps its
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +25,11 @@ import torch_fidelity
 from torch.utils.data import Dataset
 from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_featuresdict_to_statistics, fid_statistics_to_metric
-from torch_fidelity.metric_isc import isc_featuresdict_to_metric
 from torch_fidelity.metric_prc import prc_featuresdict_to_metric
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 from torch_fidelity.utils import create_feature_extractor, extract_featuresdict_from_input_id_cached
 
-# ADM's evaluator (guided-diffusion evaluations/evaluator.py) scores IS over splits of 5,000 samples; torch-fidelity
-# takes a number of splits instead.
+# ADM's evaluator (guided-diffusion evaluations/evaluator.py) scores IS over consecutive chunks of 5,000 samples.
 IS_SPLIT_SIZE = 5000
 
 SFID_EXTRACTOR = "inception-v3-compat-sfid"
@@ -121,9 +121,23 @@ def _weights_tag(weights: str | None) -> str:
     return hashlib.sha1(str(Path(weights).resolve()).encode()).hexdigest()[:8]
 
 
-def inception_score_splits(num_samples: int) -> int:
-    """Splits of ``IS_SPLIT_SIZE`` samples, as ADM's evaluator, so an IS compares with ADM's at any sample count."""
-    return max(1, math.ceil(num_samples / IS_SPLIT_SIZE))
+def inception_score(logits: torch.Tensor, split_size: int = IS_SPLIT_SIZE) -> tuple[float, float]:
+    """Inception Score of (N, classes) logits as ADM's ``compute_inception_score``: mean and std over chunks.
+
+    The samples are cut in order (no shuffling) into chunks of ``split_size``, the last one holding the remainder
+    as ADM's ``range(0, N, split_size)`` does; each chunk scores exp(mean_x KL(p(y|x) || p(y))) with p(y) its own
+    mean prediction, and the IS is the mean of the chunks' scores (ADM reports no spread; the std is the population
+    std of the same scores). Log-probabilities come from ``log_softmax`` in float64, where ADM takes the log of
+    float32 probabilities: the same score, without its -inf for a probability that underflows.
+    """
+    log_probs = logits.double().log_softmax(1)
+    scores = []
+    for chunk in log_probs.split(split_size):
+        probs = chunk.exp()
+        log_marginal = probs.mean(0, keepdim=True).log()
+        scores.append((probs * (chunk - log_marginal)).sum(1).mean().exp())
+    scores = torch.stack(scores)
+    return float(scores.mean()), float(scores.std(correction=0))
 
 
 def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name: str | None = None,
@@ -141,8 +155,7 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     kwargs = dict(
         input1=ImageArrayDataset(samples), input2=ImageArrayDataset(reference), batch_size=batch_size,
         feature_extractor_weights_path=weights, verbose=verbose, cache_root=cache_root,
-        cache=reference_name is not None, samples_shuffle=False, isc_splits=inception_score_splits(len(samples)),
-        cuda=device.startswith("cuda"),
+        cache=reference_name is not None, cuda=device.startswith("cuda"),
     )
     if reference_name is not None:
         kwargs["input2_cache_name"] = f"{reference_name}-{_weights_tag(weights)}"
@@ -160,13 +173,13 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
         stats = [fid_featuresdict_to_statistics(features, layer) for features in (generated, real)]
         return float(fid_statistics_to_metric(*stats, verbose)[KEY_METRIC_FID])
 
-    inception = isc_featuresdict_to_metric(generated, "logits_unbiased", **kwargs)
+    inception, inception_std = inception_score(generated["logits_unbiased"])
     prc = prc_featuresdict_to_metric(generated, real, "2048", **kwargs)
     return {
         "fid": frechet("2048"),
         "sfid": frechet(SFID_FEATURE),
-        "inception_score": float(inception["inception_score_mean"]),
-        "inception_score_std": float(inception["inception_score_std"]),
+        "inception_score": inception,
+        "inception_score_std": inception_std,
         "precision": float(prc["precision"]),
         "recall": float(prc["recall"]),
         "num_samples": len(samples),
@@ -206,5 +219,5 @@ def fidelity(
     return result
 
 
-__all__ = ["ImageArrayDataset", "SFID_EXTRACTOR", "SFID_FEATURE", "SpatialInceptionV3", "compute_fidelity",
-           "fidelity", "load_images"]
+__all__ = ["IS_SPLIT_SIZE", "ImageArrayDataset", "SFID_EXTRACTOR", "SFID_FEATURE", "SpatialInceptionV3",
+           "compute_fidelity", "fidelity", "inception_score", "load_images"]

@@ -1,0 +1,27 @@
+"""The golden files of ``tests/data``: outputs of the authors' own code on tiny random-weight models, written by
+``tests/make_golden.py`` (which needs their repositories; the tests that read these files do not)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+DATA = Path(__file__).parent / "data"
+
+
+def load_golden(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors of ``golden_<name>.safetensors`` (fp16-stored weights and inputs cast to the fp32 they were computed
+    in) and its metadata (source repository and commit, patches, the network's ``spec`` decoded)."""
+    with safe_open(DATA / f"golden_{name}.safetensors", "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+        metadata = dict(f.metadata())
+    if "spec" in metadata:
+        metadata["spec"] = json.loads(metadata["spec"])
+    return {key: value.float() if value.dtype == torch.float16 else value for key, value in tensors.items()}, metadata
+
+
+def prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries under ``prefix.``, without it (``weights.`` holds a state dict under the authors' names)."""
+    return {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(prefix + ".")}
