@@ -71,8 +71,9 @@ def sweep(
 
     Writes `<out>/results.md` and `<out>/results.csv` (one row per grid cell: each logged metric's mean ± std
     and n over seeds, and for each other cell Welch's t-test p-value and the 95% confidence interval of the
-    difference to the baseline cell), `<out>/trials.csv` (one row per trial, with status, run folder and
-    error) and `<out>/<metric>.png` (the metric per cell, each seed a dot, mean ± std as error bar).
+    difference to the baseline cell), `<out>/trials.csv` (one row per trial, with status, the Ray node it
+    finished on, run folder and error) and `<out>/<metric>.png` (the metric per cell, each seed a dot, mean ±
+    std as error bar).
 
     Args:
         fit_config: The `moh fit` config: a YAML path, or the name of a shipped config (`llm_stdlib_75.yaml`).

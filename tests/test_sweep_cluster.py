@@ -1,9 +1,9 @@
 """``moh sweep --address``: a sweep across a real two-node Ray cluster on this machine, one node killed mid-sweep.
 
-The fixture starts a head node (the one the test's driver attaches to) and a worker node on the loopback address
-127.0.0.2 with ``ray start``, one CPU each, every port chosen free. The sweep runs 4 seeds, 2 at a time, so both
-nodes train. The worker node's second trial SIGKILLs every process of its node (raylet, agents, itself) at step 7,
-after its step-5 checkpoint, as a machine lost mid-sweep would. Then:
+The fixture starts a head node and a worker node on the loopback address 127.0.0.2 with ``ray start``, one CPU each,
+every port chosen free; ``moh sweep --address`` runs against them as a process of its own. It runs 4 seeds, 2 at a
+time, so both nodes train. The worker node's second trial SIGKILLs every process of its node (raylet, agents,
+itself) at step 7, after its step-5 checkpoint, as a machine lost mid-sweep would. Then:
 1. the sweep goes on on the head node: the trials that finished keep their results (the one that finished on the
    lost node included), the interrupted trial is reported as failed;
 2. the same command again runs only that trial, which resumes from its step-5 checkpoint;
@@ -37,7 +37,8 @@ from moh_lightning import cli
 from moh_lightning.sweep import DONE_FILE
 
 RAY = Path(sys.executable).with_name("ray")
-WORKER_IP = "127.0.0.2"  # loopback too, but a node address of its own: Ray replaces 127.0.0.1 by the host's address
+# Loopback, yet an address of its own, so the nodes' IPs differ (Ray takes the head's 127.0.0.1 as the host's address).
+WORKER_IP = "127.0.0.2"
 KILL_STEP = 7
 
 
@@ -75,8 +76,8 @@ class LoseNode(Callback):
 @dataclass
 class Cluster:
     address: str
-    head_ip: str
     worker: subprocess.Popen
+    env: dict[str, str]  # of the nodes, and of the sweep run against them
 
 
 def free_ports(n: int) -> list[int]:
@@ -119,10 +120,13 @@ def stop_node(node: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def ray_cluster() -> Iterator[Cluster]:
+def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     """A head node and a worker node on this machine, isolated from any other Ray here, stopped on teardown."""
     if not RAY.is_file():
         pytest.skip(f"no `ray` command next to {sys.executable} (ray[tune] installs it)")
+    # Set for the nodes and the sweep alike: left unset, a head turns token authentication on when ~/.ray/auth_token
+    # exists (any local Ray writes one), while a worker or driver given the address does not, and is refused.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # Short: Ray's socket paths under it must stay within the 107 bytes of a Unix socket name.
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
@@ -135,17 +139,10 @@ def ray_cluster() -> Iterator[Cluster]:
         port, client, dashboard = free_ports(3)
         nodes.append(start_node(temp, "head", [
             "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--ray-client-server-port", str(client),
-            "--include-dashboard", "false", "--dashboard-port", str(dashboard), "--resources", '{"head": 1}'], env))
+            "--include-dashboard", "false", "--dashboard-port", str(dashboard)], env))
         address = f"127.0.0.1:{port}"
         nodes.append(start_node(temp, "worker", ["--address", address, "--node-ip-address", WORKER_IP], env))
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
-        try:
-            alive = [n for n in ray.nodes() if n["Alive"]]
-        finally:
-            ray.shutdown()
-        ips = sorted(n["NodeManagerAddress"] for n in alive)
-        assert len(ips) == 2 and WORKER_IP in ips, f"the cluster at {address} has the nodes {ips}"
-        yield Cluster(address, head_ip=next(ip for ip in ips if ip != WORKER_IP), worker=nodes[1])
+        yield Cluster(address, worker=nodes[1], env=env)
     finally:
         for node in nodes:
             stop_node(node)
@@ -154,6 +151,14 @@ def ray_cluster() -> Iterator[Cluster]:
 
 def logged_steps(run: Path, tag: str) -> list[int]:
     return [event.step for event in EventAccumulator(str(run)).Reload().Scalars(tag)]
+
+
+def moh_sweep(args: list[str], cluster: Cluster, cwd: Path) -> None:
+    # A process of its own, as a user runs it: a Ray driver that earlier tests left in this one would carry their
+    # settings (token authentication among them) to the cluster.
+    result = subprocess.run([str(Path(sys.executable).with_name("moh")), *args], cwd=cwd, env=cluster.env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
 def test_sweep_across_two_nodes_survives_losing_one(ray_cluster: Cluster, run_dir: Path,
@@ -168,32 +173,33 @@ def test_sweep_across_two_nodes_survives_losing_one(ray_cluster: Cluster, run_di
                 "--trainer.callbacks+=test_sweep_cluster.LoseNode", f"--trainer.callbacks.node_ip={WORKER_IP}",
                 f"--trainer.callbacks.step={KILL_STEP}", f"--trainer.callbacks.marker={run_dir / 'node_lost'}"])]
     names = [f"seed={seed}" for seed in range(4)]
-    both = {ray_cluster.head_ip, WORKER_IP}
 
     # 1. The worker node dies in its second trial; the head node finishes the sweep's other trials.
-    cli.main(args)
+    moh_sweep(args, ray_cluster, run_dir)
     assert ray_cluster.worker.wait(timeout=30) is not None  # `ray start --block` went down with its node
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
     assert list(trials) == names
     lost = [name for name in names if trials[name]["status"] != "finished"]
-    assert len(lost) == 1 and trials[lost[0]]["status"] == "failed", trials
+    assert len(lost) == 1 and trials[lost[0]]["status"] == "failed" and trials[lost[0]]["error"], trials
     finished = [name for name in names if name not in lost]
-    assert {trials[name]["node"] for name in finished} == both
+    nodes = {trials[name]["node"] for name in finished}
+    assert len(nodes) == 2 and WORKER_IP in nodes, nodes
+    (head_ip,) = nodes - {WORKER_IP}
     for name in finished:
         assert Path(trials[name]["run_dir"]) == out / "runs" / name / "version_0"
         assert json.loads((out / "runs" / name / DONE_FILE).read_text())["node"] == trials[name]["node"]
-    step5 = (out / "runs" / lost[0] / "version_0" / "checkpoints" / "step=0000005.ckpt").stat().st_mtime_ns
+    step5 = out / "runs" / lost[0] / "version_0" / "checkpoints" / "step=0000005.ckpt"
+    step5_written = step5.stat().st_mtime_ns
     done = {name: run_state(out / "runs" / name) for name in finished}
 
     # 2. The same command, on what is left of the cluster: the lost trial resumes from its step-5 checkpoint.
-    cli.main(args)
+    moh_sweep(args, ray_cluster, run_dir)
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
     assert [trials[name]["status"] for name in names] == ["finished"] * 4
     assert {name: run_state(out / "runs" / name) for name in finished} == done
-    checkpoints = out / "runs" / lost[0] / "version_0" / "checkpoints"
-    assert Path(trials[lost[0]]["run_dir"]) == checkpoints.parent and trials[lost[0]]["node"] == ray_cluster.head_ip
-    assert (checkpoints / "step=0000005.ckpt").stat().st_mtime_ns == step5  # resumed from it, not redone
-    resumed = max(checkpoints.parent.glob("events.out.tfevents.*"), key=lambda path: path.stat().st_mtime_ns)
+    assert trials[lost[0]]["node"] == head_ip
+    assert step5.stat().st_mtime_ns == step5_written  # resumed from it, not redone
+    resumed = max(Path(trials[lost[0]]["run_dir"]).glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns)
     assert min(logged_steps(resumed, "train/loss")) >= 5
     assert json.loads((out / "runs" / lost[0] / DONE_FILE).read_text())["global_step"] == 10
 
