@@ -96,10 +96,11 @@ def start_node(temp: Path, name: str, args: list[str], env: dict[str, str]) -> s
                       "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"],
                      free_ports(6)))
     log = temp / f"{name}.log"
-    node = subprocess.Popen(
-        [str(RAY), "start", "--block", "--temp-dir", str(temp), "--num-cpus", "1", "--disable-usage-stats",
-         "--min-worker-port", "0", "--max-worker-port", "0", *[str(x) for kv in ports.items() for x in kv], *args],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with log.open("w") as out:
+        node = subprocess.Popen(
+            [str(RAY), "start", "--block", "--temp-dir", str(temp), "--num-cpus", "1", "--disable-usage-stats",
+             "--min-worker-port", "0", "--max-worker-port", "0", *[str(x) for kv in ports.items() for x in kv], *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     while "Ray runtime started" not in log.read_text():
         if node.poll() is not None or time.monotonic() > deadline:
@@ -131,7 +132,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
            # The trials import LoseNode from this file, as a cluster's nodes import the suite.
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
            # The head declares a silent node dead after 1.5 s instead of Ray's 15 s, so the test stays short.
            "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
     nodes = []
