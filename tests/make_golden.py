@@ -249,19 +249,23 @@ def moh_dit(repo: Path) -> None:
     model.y_embedder.dropout_prob = 0.0
     models.MoHAttention.LOAD_BALANCING_LOSSES.clear()
     gd = create_diffusion("")
-    x0, noise = fp16_values(torch.randn(3, 4, 8, 8, generator=generator)), fp16_values(torch.randn(3, 4, 8, 8))
+    x0 = fp16_values(torch.randn(3, 4, 8, 8, generator=generator))
+    noise = fp16_values(torch.randn(3, 4, 8, 8, generator=generator))
     terms = gd.training_losses(model, x0, t, dict(y=y), noise=noise)
     balance = torch.stack([loss.detach() for loss in models.MoHAttention.LOAD_BALANCING_LOSSES])
-    tensors = {**{f"weights.{k}": v.half() for k, v in state.items() if k != "pos_embed"}, "x": x.half(), "t": t,
-               "y": y, "out": out, "guided": guided, **{f"gates.{i}": g for i, g in enumerate(gates)},
-               "train.x0": x0.half(), "train.noise": noise.half(), "train.balance_losses": balance,
+    # Their pos_embed is the fixed sin-cos table, kept in fp32 (the loader checks it against the suite's).
+    tensors = {**{f"weights.{k}": v if k == "pos_embed" else v.half() for k, v in state.items()}, "x": x.half(),
+               "t": t, "y": y, "out": out, "guided": guided, **{f"gates.{i}": g for i, g in enumerate(gates)},
+               "train.x0": x0.half(), "train.noise": noise.half(), "train.x_t": gd.q_sample(x0, t, noise=noise),
+               "train.balance_losses": balance,
                **{f"train.{key}": terms[key].detach() for key in ("mse", "vb", "loss")}}
     write("moh_dit", tensors, repo, ["MoH-DiT/models.py", "MoH-DiT/diffusion/"], "moh-dit",
           ["train mode with y_embedder.dropout_prob = 0 (their label dropout draws at random)",
            "gates read by spying on torch.einsum('bne,bned->bned', gates, heads)"], spec=m,
           guided_note="forward_with_cfg on the doubled batch (null class 5), scale 4.0, first half kept",
           balance_note="one loss per layer with routed heads, their order; the train.* terms are "
-                       "training_losses(model, train.x0, t, dict(y=y), noise=train.noise)")
+                       "training_losses(model, train.x0, t, dict(y=y), noise=train.noise), whose noised input is "
+                       "train.x_t")
 
 
 # ---- MoH-ViT (MoH-ViT/transnext.py) and TransNeXt (classification/transnext.py) -----------------------------------
@@ -323,9 +327,9 @@ def transnext(repo: Path) -> None:
 # ---- MoH-LLaMA3 (MoH-LLaMA3/Inference_code/modeling_llama.py) -----------------------------------------------------
 
 def moh_llama(repo: Path) -> None:
-    """Their MoH-LLaMA3 at tiny size (their hard-coded budget: 4 shared + top-2 of 4 routed of 8 heads): logits and
-    per-layer {0, 1} head gates in fp32 and in bf16 (weights and activations in bf16, as their release runs), and the
-    ``l_aux`` their model returns in train mode."""
+    """Their MoH-LLaMA3 at tiny size (their hard-coded budget: 4 shared + top-2 of 4 routed of 8 heads): logits,
+    per-layer {0, 1} head gates and the queries their router scores, in fp32 and in bf16 (weights and activations in
+    bf16, as their release runs), and their training loss with the ``l_aux`` their model returns."""
     import transformers
     from transformers import LlamaConfig
 
@@ -343,12 +347,24 @@ def moh_llama(repo: Path) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         model = model.to(dtype).eval()
+        queries = []  # each layer's q_proj output, the router's input, kept for bf16 (fp32 is the suite's own)
+        hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, args, out: queries.append(out.detach()))
+                 for layer in model.model.layers] if dtype == torch.bfloat16 else []
         with torch.no_grad(), captured_gates() as gates:
             tensors[f"{name}.logits"] = model(idx).logits.float()
+        for hook in hooks:
+            hook.remove()
         tensors |= {f"{name}.gates.{i}": g for i, g in enumerate(gates)}
+        tensors |= {f"{name}.queries.{i}": q for i, q in enumerate(queries)}
+    # Their training loss is cross-entropy + 0.01 * l_aux, and l_aux is the mean of the layers' losses: none of their
+    # layers computes one (each returns None), so it is the empty mean, 0.
     model = model.float().train()
     with torch.no_grad():
-        tensors["train.l_aux"] = torch.as_tensor(model(idx).l_aux, dtype=torch.float32).reshape(())
+        output = model(idx, labels=idx)
+        tensors["train.l_aux"] = torch.as_tensor(model.model(idx).l_aux, dtype=torch.float32).reshape(())
+    tensors["train.loss"] = output.loss
+    tensors["train.cross_entropy"] = torch.nn.functional.cross_entropy(output.logits[:, :-1].flatten(0, 1),
+                                                                       idx[:, 1:].flatten())
     write("moh_llama", tensors, repo, ["MoH-LLaMA3/Inference_code/modeling_llama.py"], "moh-llama",
           ["transformers 4.44.2 (their file's API) instead of the project's 5.x",
            "built from LlamaConfig with _attn_implementation='sdpa' (their LlamaSdpaAttention)",

@@ -1,8 +1,9 @@
 """The authors' MoH-DiT (SkyworkAI/MoH ``MoH-DiT/models.py``) loaded into the suite's DiT: every key used, and the
-loaded model computes their function, checked against a re-computation written here from their formulas.
+loaded model computes their function: outputs, gates, load-balance losses and DiT's loss terms of their own code on
+the same weights (tests/data/golden_moh_dit.safetensors, written by tests/make_golden.py).
 
-Their code is never imported: the parameter names and shapes below are written as data, read off their modules
-(``DiT``, ``DiTBlock``, ``MoHAttention``, ``FinalLayer``, timm's ``PatchEmbed`` / ``Mlp``).
+Their code is never imported here: the parameter names and shapes below are written as data, read off their modules
+(``DiT``, ``DiTBlock``, ``MoHAttention``, ``FinalLayer``, timm's ``PatchEmbed`` / ``Mlp``), for the loader's tests.
 """
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from diffusers import DDPMScheduler
+from golden import load_golden, prefixed
 
 from moh_lightning.cli import main as moh
+from moh_lightning.diffusion import GaussianDiffusionLoss
+from moh_lightning.layers import pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.dit import DiT, DiTConfig
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
@@ -31,6 +35,7 @@ from moh_lightning.tools.authors_dit import (
 # routed only (wg).
 TINY = {"input_size": 8, "patch_size": 2, "in_channels": 4, "hidden_size": 48, "num_classes": 5, "head_dim": 8,
         "num_heads": [2, 4, 6, 6], "shared_head": [2, 4, 4, 0], "routed_head": [0, 0, 1, 2]}
+GOLDEN, GOLDEN_META = load_golden("moh_dit")
 # Their MoH_DiT_XL_2_90 (models.py), on ImageNet 256 latents.
 XL_2_90 = {"input_size": 32, "patch_size": 2, "in_channels": 4, "hidden_size": 1152, "num_classes": 1000,
            "head_dim": 72, "num_heads": [8] * 9 + [16] * 10 + [24] * 9, "shared_head": [8] * 9 + [16] * 19,
@@ -97,85 +102,58 @@ def tiny_config() -> DiTConfig:
                                                               top_k=TINY["routed_head"]))
 
 
-def their_attention(w: dict, b: str, x: torch.Tensor, h: int, shared: int, routed: int, d: int):
-    """Their MoHAttention.forward (eval) from its formulas: returns the output and the gates (B, N, h)."""
-    batch, tokens, _ = x.shape
-    q, k, v = F.linear(x, w[b + "qkv.weight"], w[b + "qkv.bias"]).reshape(batch, tokens, 3, h, d).permute(2, 0, 3, 1, 4)
-    heads = ((q @ k.transpose(-2, -1)) / math.sqrt(d)).softmax(-1) @ v                 # (B, h, N, d)
-    if shared > 1:
-        shared_gates = (x @ w[b + "wg_1.weight"].T).softmax(-1) * shared
-    else:
-        shared_gates = x.new_ones(batch, tokens, shared)
-    if routed > 0:
-        probs = (x @ w[b + "wg.weight"].T).softmax(-1)
-        mask = F.one_hot(probs.topk(routed, dim=-1).indices, probs.shape[-1]).sum(-2)
-        kept = probs * mask
-        routed_gates = kept / kept.sum(-1, keepdim=True).clamp(min=torch.finfo(kept.dtype).eps) * routed
-        if shared > 0:
-            balance = (x @ w[b + "wg_0.weight"].T).softmax(-1) * 2
-            gates = torch.cat([shared_gates * balance[..., :1], routed_gates * balance[..., 1:]], -1)
-        else:
-            gates = routed_gates
-    else:
-        gates = shared_gates
-    out = (heads.transpose(1, 2) * gates[..., None]).reshape(batch, tokens, h * d)
-    return F.linear(out, w[b + "proj.weight"], w[b + "proj.bias"]), gates
+def golden_config() -> DiTConfig:
+    """The suite's DiT of the golden file's tiny MoH-DiT (their parametrisation in its ``spec``)."""
+    m = GOLDEN_META["spec"]
+    return DiTConfig(input_size=m["input_size"], patch_size=m["patch_size"], in_channels=m["in_channels"],
+                     embed_dim=m["hidden_size"], depth=len(m["num_heads"]), num_heads=m["num_heads"],
+                     head_dim=m["head_dim"], num_classes=m["num_classes"],
+                     moh=MoHConfig(num_shared_heads=m["shared_head"], top_k=m["routed_head"]))
 
 
-def their_dit(w: dict, m: dict, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor):
-    """Their DiT.forward (eval) from its formulas: the output (B, 2C, H, W) and each block's gates."""
-    p, dim = m["patch_size"], m["hidden_size"]
-    modulate = lambda z, shift, scale: z * (1 + scale[:, None]) + shift[:, None]  # noqa: E731
-    norm = lambda z: F.layer_norm(z, (dim,), eps=1e-6)  # noqa: E731
-    tokens = F.conv2d(x, w["x_embedder.proj.weight"], w["x_embedder.proj.bias"], stride=p).flatten(2).transpose(1, 2)
-    tokens = tokens + w["pos_embed"]
-    freqs = torch.exp(-math.log(10000) * torch.arange(128, dtype=torch.float32) / 128)
-    args = t[:, None].float() * freqs[None]
-    t_emb = torch.cat([torch.cos(args), torch.sin(args)], -1)
-    t_emb = F.linear(F.silu(F.linear(t_emb, w["t_embedder.mlp.0.weight"], w["t_embedder.mlp.0.bias"])),
-                     w["t_embedder.mlp.2.weight"], w["t_embedder.mlp.2.bias"])
-    c = t_emb + w["y_embedder.embedding_table.weight"][y]
-    all_gates = []
-    for i, (h, shared, routed) in enumerate(zip(m["num_heads"], m["shared_head"], m["routed_head"])):
-        b = f"blocks.{i}."
-        mod = F.linear(F.silu(c), w[b + "adaLN_modulation.1.weight"], w[b + "adaLN_modulation.1.bias"]).chunk(6, 1)
-        attn, gates = their_attention(w, b + "attn.", modulate(norm(tokens), mod[0], mod[1]), h, shared, routed,
-                                      m["head_dim"])
-        all_gates.append(gates)
-        tokens = tokens + mod[2][:, None] * attn
-        hidden = F.gelu(F.linear(modulate(norm(tokens), mod[3], mod[4]), w[b + "mlp.fc1.weight"],
-                                 w[b + "mlp.fc1.bias"]), approximate="tanh")
-        tokens = tokens + mod[5][:, None] * F.linear(hidden, w[b + "mlp.fc2.weight"], w[b + "mlp.fc2.bias"])
-    shift, scale = F.linear(F.silu(c), w["final_layer.adaLN_modulation.1.weight"],
-                            w["final_layer.adaLN_modulation.1.bias"]).chunk(2, 1)
-    out = F.linear(modulate(norm(tokens), shift, scale), w["final_layer.linear.weight"], w["final_layer.linear.bias"])
-    grid, channels = m["input_size"] // p, 2 * m["in_channels"]
-    out = torch.einsum("nhwpqc->nchpwq", out.reshape(-1, grid, grid, p, p, channels))
-    return out.reshape(-1, channels, grid * p, grid * p), all_gates
-
-
-def test_their_state_dict_loads_completely_and_computes_their_function():
-    state = authors_state(TINY)
-    model = load_authors_dit(state, tiny_config())  # raises on any missing or unexpected key
+def test_their_weights_load_completely_and_compute_their_outputs_and_gates():
+    """Their MoH-DiT's own forward, guided forward and gates on the same weights (golden file)."""
+    assert GOLDEN_META["source"].startswith("SkyworkAI/MoH@")
+    state = prefixed(GOLDEN, "weights")
+    model = load_authors_dit(state, golden_config())  # raises on any missing or unexpected key
     assert len(model.state_dict()) == len(state) - 1  # everything but their pos_embed parameter
-    assert model.blocks[2].attn.router.type_router is not None and model.blocks[0].attn.router.routed_router is None
-    torch.manual_seed(1)
-    x, t, y = torch.randn(3, 4, 8, 8), torch.tensor([3, 500, 999]), torch.tensor([0, 4, 2])
+    x, t, y = GOLDEN["x"], GOLDEN["t"], GOLDEN["y"]
     with torch.no_grad():
-        ours = model(x, t, y)
-        expected, gates = their_dit(state, TINY, x, t, y)
-    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
-    for block, theirs in zip(model.blocks, gates):
-        torch.testing.assert_close(block.attn.last_gates, theirs, atol=1e-6, rtol=1e-5)
-    routed = gates[2][..., 4:]
-    assert (routed > 0).sum(-1).eq(1).all() and len({int(i) for i in routed.argmax(-1).flatten()}) == 2
+        out = model(x, t, y)
+        gates = [block.attn.last_gates for block in model.blocks]
+        guided = model.forward_with_cfg(x, t, y, 4.0, channels=3)  # their forward_with_cfg guides 3 of 4 channels
+    torch.testing.assert_close(out, GOLDEN["out"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(guided, GOLDEN["guided"], atol=1e-5, rtol=1e-5)
+    for i, ours in enumerate(gates):
+        theirs = GOLDEN[f"gates.{i}"]
+        assert torch.equal(ours > 0, theirs > 0), f"block {i} keeps other heads"
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    assert len({tuple(row.nonzero().flatten().tolist()) for row in gates[3].reshape(-1, 6)}) > 3
 
-    # Their forward_with_cfg guides 3 of the 4 latent channels: the suite's channels=3.
-    with torch.no_grad():
-        guided = model.forward_with_cfg(x, t, y, 4.0, channels=3)
-        null, _ = their_dit(state, TINY, x, t, torch.full_like(y, 5))
-    eps = null[:, :3] + 4.0 * (expected[:, :3] - null[:, :3])
-    torch.testing.assert_close(guided, torch.cat([eps, expected[:, 3:]], 1), atol=1e-5, rtol=1e-5)
+
+def test_their_training_terms_and_load_balance_losses():
+    """In training their layers append E * sum_i f_i P_i per routed layer, also where top-k is every routed head (a
+    constant k there, with no gradient); the suite computes none for such a layer, so its mean over the other layers
+    is theirs with the constant removed. DiT's loss terms on the same forward agree."""
+    m = GOLDEN_META["spec"]
+    model = load_authors_dit(prefixed(GOLDEN, "weights"), golden_config()).train()
+    model.y_embedder.dropout_prob = 0.0  # as their run: no random label dropout
+    t, y, x0, x_t, noise = GOLDEN["t"], GOLDEN["y"], GOLDEN["train.x0"], GOLDEN["train.x_t"], GOLDEN["train.noise"]
+    criterion = GaussianDiffusionLoss(DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear"))
+    terms = criterion(model(x_t, t, y), x0, x_t, t, noise)
+    for key in ("mse", "vb", "loss"):
+        torch.testing.assert_close(terms[key].detach(), GOLDEN[f"train.{key}"], rtol=1e-4, atol=1e-6, msg=key)
+
+    theirs = GOLDEN["train.balance_losses"]
+    routed = [i for i, k in enumerate(m["routed_head"]) if k]
+    every = [j for j, i in enumerate(routed) if m["routed_head"][i] == m["num_heads"][i] - m["shared_head"][i]]
+    assert every and all(float(theirs[j]) == m["routed_head"][routed[j]] for j in every)
+    ours = [model.blocks[i].attn.load_balance_loss for i in routed]
+    assert [loss is None for loss in ours] == [j in every for j in range(len(routed))]
+    kept = [j for j in range(len(routed)) if j not in every]
+    torch.testing.assert_close(torch.stack([ours[j] for j in kept]).detach(), theirs[kept], rtol=1e-5, atol=1e-6)
+    expected = (theirs.sum() - theirs[every].sum()) / len(kept)
+    torch.testing.assert_close(pop_load_balance_loss(model).detach(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_dit_xl2_90_config_is_their_xl_2_90_key_for_key():

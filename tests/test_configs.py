@@ -36,6 +36,8 @@ NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None}
 _LM_STDLIB = {"trainer": {"val_check_interval": 125}, "data": {"val_samples": 128},
               "task": {"max_tokens": 3072000, "warmup_steps": 50}, "StepCheckpoint": {"_every_n_train_steps": 100}}
 RETUNED = {name: _LM_STDLIB for name in ("llm_stdlib_50.yaml", "llm_stdlib_75.yaml", "llm_stdlib_100.yaml")}
+# The query-norm router trains without load-balance loss, as the authors' released MoH-LLaMA3 (which computes none).
+RETUNED["llama3_8b_moh_75.yaml"] = {"task": {"load_balance_beta": 0.0}}
 
 
 def _retuned(name: str, old: dict) -> dict:
@@ -61,6 +63,8 @@ def _task_hparams(task: dict) -> dict:
         if task["class"] == "ClassConditionalDiffusion" and key in OLD_DIT_ARCHITECTURE_KEYS:
             continue
         out[RENAMED.get(key, key)] = value
+    if out.get("load_balance_beta", 0) is None:  # LanguageModel's default beta, which depends on the router
+        out["load_balance_beta"] = 0.0 if task["hparams"].get("arch.moh.router") == "query_norm" else 0.01
     return out
 
 

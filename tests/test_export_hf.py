@@ -142,3 +142,18 @@ def test_push_to_hub_uploads_the_written_folder(learned, tmp_path, monkeypatch):
     assert {"config.json", "model.safetensors", "hf_moh_llama.py", "README.md"} <= set(calls[1][2])
     card = (tmp_path / "push" / "README.md").read_text()
     assert 'from_pretrained("someone/tiny-moh", trust_remote_code=True)' in card
+
+
+@pytest.mark.parametrize("router_dtype", ["float32", "activation"])
+def test_exported_query_norm_router_scores_in_the_suites_precision(router_dtype, tmp_path):
+    from moh_lightning.layers import QueryNormRouter
+    from moh_lightning.models.hf_moh_llama import query_norm_gates
+
+    moh_config = MoHConfig(num_shared_heads=4, top_k=2, router="query_norm", router_dtype=router_dtype)
+    export_hf(MoHLlama(LlamaConfig(**ARCH, moh=moh_config)), tmp_path / "qn", ByT5Tokenizer(extra_ids=0), source="t")
+    assert json.loads((tmp_path / "qn" / "config.json").read_text())["moh_router_dtype"] == router_dtype
+    q = torch.randn(2, 8, 512, 8, generator=torch.Generator().manual_seed(0)).bfloat16()   # bf16 scores tie often
+    gates = query_norm_gates(q, 4, 2, router_dtype).float()
+    torch.testing.assert_close(gates, QueryNormRouter(8, 4, 2, router_dtype)(None, q=q).gates.float(), rtol=0, atol=0)
+    other = query_norm_gates(q, 4, 2, "activation" if router_dtype == "float32" else "float32").float()
+    assert (gates != other).any()

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from moh_lightning.layers.budgets import check_head_budget
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
 from moh_lightning.layers.kv_cache import KVCache
-from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterType
+from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterDtype, RouterType
 
 ExecutionMode = Literal["auto", "dense", "sparse"]
 
@@ -43,6 +43,9 @@ class MoHAttention(nn.Module):
         dense: Plain multi-head attention with the same attention weights and no router (the baseline).
         two_stage_routing: Learn the shared / routed balance alpha (Eq. 6); False fixes it at 1/2 each.
         router: ``"learned"`` (Eq. 5-6) or ``"query_norm"`` (parameter-free, for continue-tuning).
+        router_dtype: Precision of the query-norm router's scores: ``"float32"``, or ``"activation"`` (the
+            queries' dtype, as the authors' MoH-LLaMA3 code; see ``QueryNormRouter``). The learned router is a
+            linear layer and runs in the activations' dtype, as the authors' ViT and DiT code.
         num_kv_heads: Key/value heads for grouped-query attention; ``num_heads`` when None.
         causal: Each token attends only to itself and earlier tokens.
         execution: ``"dense"`` computes every head and weights it by its gate, ``"sparse"`` only the
@@ -72,6 +75,7 @@ class MoHAttention(nn.Module):
             dense: bool = False,
             two_stage_routing: bool = True,
             router: RouterType = "learned",
+            router_dtype: RouterDtype = "float32",
             num_kv_heads: int | None = None,
             causal: bool = False,
             execution: ExecutionMode = "auto",
@@ -115,7 +119,7 @@ class MoHAttention(nn.Module):
             if router == "learned":
                 self.router = MoHRouter(dim, num_heads, num_shared_heads, top_k, two_stage_routing, **dd)
             elif router == "query_norm":
-                self.router = QueryNormRouter(num_heads, num_shared_heads, top_k)
+                self.router = QueryNormRouter(num_heads, num_shared_heads, top_k, router_dtype)
             else:
                 raise ValueError(f"router={router!r}: choose 'learned' or 'query_norm'.")
         self.last_gates: torch.Tensor | None = None

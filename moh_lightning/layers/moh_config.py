@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moh_lightning.layers.budgets import check_head_budget
 from moh_lightning.layers.moh_attention import ExecutionMode
-from moh_lightning.layers.routers import RouterType
+from moh_lightning.layers.routers import RouterDtype, RouterType
 from moh_lightning.serialization import checkpoint_type
 
 
@@ -26,6 +26,8 @@ class MoHConfig:
         top_k: Routed heads picked per token, out of the layer's ``num_heads - num_shared_heads``; one int or one
             per layer; None picks every routed head.
         router: ``"learned"`` (paper Eq. 5-6) or ``"query_norm"`` (parameter-free, for continue-tuning).
+        router_dtype: Precision of the query-norm router's scores: ``"float32"`` (exact ranking), or
+            ``"activation"``, the activations' dtype as the authors' MoH-LLaMA3 code (their bf16 head choices).
         two_stage_routing: Learn the shared / routed balance (Eq. 6); False fixes it at 1/2 each (Tab. 5 ablation).
         execution: ``"dense"`` computes every head and masks, ``"sparse"`` only the selected (token, head) pairs,
             ``"auto"`` picks from the shapes.
@@ -34,6 +36,7 @@ class MoHConfig:
     num_shared_heads: int | list[int] = 0
     top_k: int | list[int] | None = None
     router: RouterType = "learned"
+    router_dtype: RouterDtype = "float32"
     two_stage_routing: bool = True
     execution: ExecutionMode = "auto"
 
@@ -42,7 +45,8 @@ class MoHConfig:
         heads = _per_layer(num_heads, depth, "num_heads")
         shared = _per_layer(self.num_shared_heads, depth, "moh.num_shared_heads")
         top_k = _per_layer(self.top_k, depth, "moh.top_k")
-        common = {"router": self.router, "two_stage_routing": self.two_stage_routing, "execution": self.execution}
+        common = {"router": self.router, "router_dtype": self.router_dtype, "two_stage_routing": self.two_stage_routing,
+                  "execution": self.execution}
         return [{**common, "num_shared_heads": s, "top_k": check_head_budget(h, s, k, where=f"layer {i}")}
                 for i, (h, s, k) in enumerate(zip(heads, shared, top_k))]
 

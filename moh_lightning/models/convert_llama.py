@@ -159,7 +159,7 @@ def hf_config_for(config: LlamaConfig, **extra):
     shared, top_k = (list(values) for values in zip(*layer_budgets(config)))
     return MoHLlamaConfig(moh_num_shared_heads=shared[0] if len(set(shared)) == 1 else shared,
                           moh_top_k=top_k[0] if len(set(top_k)) == 1 else top_k, moh_router=moh.router,
-                          moh_two_stage_routing=moh.two_stage_routing, **kwargs)
+                          moh_router_dtype=moh.router_dtype, moh_two_stage_routing=moh.two_stage_routing, **kwargs)
 
 
 _ROUTER_TEXT = {

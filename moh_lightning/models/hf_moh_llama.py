@@ -8,7 +8,8 @@ suite's two routers:
 * ``moh_router="learned"``: the two-stage router of ``moh_lightning.layers.routers.MoHRouter`` (paper Eq. 5-6 at the
   authors' scale), its linears under ``self_attn.router.{shared_router,routed_router,type_router}``;
 * ``moh_router="query_norm"``: the parameter-free router of ``moh_lightning.layers.routers.QueryNormRouter`` (first
-  ``moh_num_shared_heads`` heads always on, the ``moh_top_k`` routed heads with the largest query norm on).
+  ``moh_num_shared_heads`` heads always on, the ``moh_top_k`` routed heads with the largest query norm on), scoring
+  in float32 or, with ``moh_router_dtype="activation"``, in the activations' dtype as the authors' MoH-LLaMA3 code.
 
 ``moh_num_shared_heads`` and ``moh_top_k`` are one int for every layer or a list with one entry per layer. The
 exported model computes the gates only (inference and evaluation): the load-balance loss of training stays in the
@@ -34,10 +35,12 @@ class MoHLlamaConfig(LlamaConfig):
     model_type = "moh_llama"
 
     def __init__(self, moh_num_shared_heads: int | list[int] = 0, moh_top_k: int | list[int] = 0,
-                 moh_router: str = "query_norm", moh_two_stage_routing: bool = True, **kwargs) -> None:
+                 moh_router: str = "query_norm", moh_two_stage_routing: bool = True,
+                 moh_router_dtype: str = "float32", **kwargs) -> None:
         self.moh_num_shared_heads = moh_num_shared_heads
         self.moh_top_k = moh_top_k
         self.moh_router = moh_router
+        self.moh_router_dtype = moh_router_dtype
         self.moh_two_stage_routing = moh_two_stage_routing
         super().__init__(**kwargs)
 
@@ -48,13 +51,15 @@ class MoHLlamaConfig(LlamaConfig):
                 top_k[index] if isinstance(top_k, list) else top_k)
 
 
-def query_norm_gates(query: torch.Tensor, num_shared_heads: int, top_k: int) -> torch.Tensor:
-    """{0, 1} gates (B, T, h) from the queries (B, h, T, d) before rotary embedding."""
+def query_norm_gates(query: torch.Tensor, num_shared_heads: int, top_k: int,
+                     score_dtype: str = "float32") -> torch.Tensor:
+    """{0, 1} gates (B, T, h) from the queries (B, h, T, d) before rotary embedding, scored in ``score_dtype``."""
     batch, heads, length, _ = query.shape
     gates = query.new_ones(batch, length, heads)
     if num_shared_heads == heads:
         return gates
-    norms = query[:, num_shared_heads:].float().norm(dim=-1).transpose(1, 2)          # (B, T, E)
+    routed = query[:, num_shared_heads:]
+    norms = (routed.float() if score_dtype == "float32" else routed).norm(dim=-1).transpose(1, 2)   # (B, T, E)
     probs = (norms / norms.std(-1, keepdim=True).clamp_min(1e-6)).softmax(-1)
     selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, probs.topk(top_k, dim=-1).indices, True)
     gates[..., num_shared_heads:] = selected.to(gates.dtype)
@@ -108,6 +113,8 @@ class MoHLlamaAttention(LlamaAttention):
                                     self.top_k, config.moh_two_stage_routing)
         elif config.moh_router != "query_norm":
             raise ValueError(f"moh_router={config.moh_router!r}: this file knows 'learned' and 'query_norm'.")
+        if config.moh_router_dtype not in ("float32", "activation"):
+            raise ValueError(f"moh_router_dtype={config.moh_router_dtype!r}: choose 'float32' or 'activation'.")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
                 **kwargs):
@@ -121,7 +128,7 @@ class MoHLlamaAttention(LlamaAttention):
         if self.router is not None:
             gates = self.router(hidden_states)                                         # (B, T, h)
         else:
-            gates = query_norm_gates(query_states, self.num_shared_heads, self.top_k)
+            gates = query_norm_gates(query_states, self.num_shared_heads, self.top_k, self.config.moh_router_dtype)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)

@@ -1,7 +1,8 @@
 """Causal language modelling with a MoH-LLaMA decoder: the paper's LLM recipe (section 4.3, Tab. C / D).
 
 AdamW (weight decay 0.1 on matrices and embeddings, none on norms), linear warm-up from ``warmup_lr``
-then cosine decay to ``min_lr`` over the token budget, load-balance loss beta 0.01. Gradient clipping (1.0),
+then cosine decay to ``min_lr`` over the token budget, load-balance loss beta 0.01 with the learned router and 0
+with the query-norm router (see ``load_balance_beta``). Gradient clipping (1.0),
 bf16 and gradient accumulation are Trainer settings in the configs. Training stops once ``max_tokens``
 tokens have been consumed. Loss, perplexity and, for the byte tokenizer, bits per byte are logged.
 """
@@ -35,7 +36,10 @@ class LanguageModel(MoHTask):
         max_tokens: Training budget in tokens; sets the cosine length and stops training once reached.
         weight_decay: AdamW weight decay (not applied to norm gains).
         betas: AdamW betas.
-        load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
+        load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8). None: 0.01 with the learned router,
+            the authors' ViT / DiT weight of E * sum_i f_i P_i carried over to LMs (their LM training code is
+            unreleased); 0 with ``router: query_norm``, as the authors' released MoH-LLaMA3, which computes no
+            load-balance loss. A value > 0 adds the suite's E * sum_i f_i P_i of the query-norm scores.
     """
 
     head_load_group_name = "source"
@@ -51,8 +55,11 @@ class LanguageModel(MoHTask):
             max_tokens: int = 100_000_000_000,
             weight_decay: float = 0.1,
             betas: tuple[float, float] = (0.9, 0.95),
-            load_balance_beta: float = 0.01,
+            load_balance_beta: float | None = None,
     ) -> None:
+        config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
+        if load_balance_beta is None:
+            load_balance_beta = 0.0 if config.moh is not None and config.moh.router == "query_norm" else 0.01
         super().__init__(load_balance_beta)
         if max_tokens <= 0:
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
@@ -60,7 +67,7 @@ class LanguageModel(MoHTask):
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
         self.save_hyperparameters()
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
-        self.config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
+        self.config = config
         self.tokens_seen = 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

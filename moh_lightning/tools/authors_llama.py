@@ -11,16 +11,18 @@ part has no weights and no config key: every attention layer of that code hard-c
 and gates the head outputs before ``o_proj`` with the query-norm router: for each token, the l2 norm of each routed
 head's query (the ``q_proj`` output, before rotary embedding), divided by the (unbiased) standard deviation of those
 norms across the routed heads, softmax, the top ``routed_head`` get gate 1 and the others 0; shared heads gate 1.
-That is the suite's ``QueryNormRouter`` (``router: query_norm``), which this loader builds with their budget. Two
-differences, neither reached in fp32 on real weights: the suite clamps the standard deviation at 1e-6 (theirs would
-divide by zero if every routed query of a token had the same norm), and it scores in fp32 where theirs scores in the
-activations' dtype, so in bf16 the two can keep different heads where scores tie after rounding. The rest is
-LLaMA: the weights map as for any ``transformers`` LLaMA (``convert_llama.hf_to_moh_state_dict``).
+That is the suite's ``QueryNormRouter`` (``router: query_norm``), which this loader builds with their budget. The
+suite clamps the standard deviation at 1e-6 (theirs would divide by zero if every routed query of a token had the
+same norm), and by default it scores in fp32 where theirs scores in the activations' dtype: in bf16 the two then keep
+different heads where scores tie after rounding. ``router_dtype="activation"`` scores as theirs does, which
+reproduces their bf16 head choices (``tests/test_authors_llama.py`` against their code's output). Their model
+computes no load-balance loss. The rest is LLaMA: the weights map as for any ``transformers`` LLaMA
+(``convert_llama.hf_to_moh_state_dict``).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -79,23 +81,25 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def authors_llama_config(folder: Path) -> LlamaConfig:
+def authors_llama_config(folder: Path, router_dtype: str = "float32") -> LlamaConfig:
     """The suite's config of their model: the folder's LLaMA config with their query-norm head budget."""
     from transformers import LlamaConfig as HFLlamaConfig
 
     hf_config = HFLlamaConfig.from_pretrained(folder)  # LLaMA's keys only: their modelling code is not run
     shared, top_k = authors_budget(hf_config.num_attention_heads)
-    return llm_config_from_hf(hf_config, num_shared_heads=shared, top_k=top_k)
+    config = llm_config_from_hf(hf_config, num_shared_heads=shared, top_k=top_k)
+    return replace(config, moh=replace(config.moh, router_dtype=router_dtype))
 
 
-def load_authors_llama(source: str, dtype: torch.dtype | None = None) -> MoHLlama:
+def load_authors_llama(source: str, dtype: torch.dtype | None = None, router_dtype: str = "float32") -> MoHLlama:
     """Their MoH-LLaMA3 (folder or hub id) as the suite's ``MoHLlama`` with their query-norm budget, every key used.
 
     The model is built without memory (meta device) and takes the checkpoint's tensors, so an 8B model costs its
-    weights once, in their dtype unless ``dtype`` is given.
+    weights once, in their dtype unless ``dtype`` is given. ``router_dtype`` is the router's precision
+    (``QueryNormRouter``): ``"activation"`` is theirs.
     """
     folder = model_folder(source)
-    config = authors_llama_config(folder)
+    config = authors_llama_config(folder, router_dtype)
     weights = read_weights(folder)
     try:
         state = hf_to_moh_state_dict(weights, config)
@@ -121,7 +125,7 @@ def load_authors_llama(source: str, dtype: torch.dtype | None = None) -> MoHLlam
 
 
 def load_authors_llama_tool(source: str = AUTHORS_LLAMA_HUB, out: str = "authors_llama3.ckpt",
-                            dtype: str | None = None) -> Path:
+                            dtype: str | None = None, router_dtype: str = "float32") -> Path:
     """Loads their MoH-LLaMA3 into the suite's MoH-LLaMA and writes it for ``moh lm-eval``.
 
     ``out`` ending in ``.ckpt`` is a LanguageModel checkpoint, evaluated by the suite's own model:
@@ -133,9 +137,11 @@ def load_authors_llama_tool(source: str = AUTHORS_LLAMA_HUB, out: str = "authors
         source: Their model: a local folder or a hub repo id.
         out: The ``.ckpt`` or the folder to write.
         dtype: Weight dtype written (float32, bfloat16, float16); the checkpoint's when None.
+        router_dtype: ``float32`` scores the heads exactly; ``activation`` scores them in the activations' dtype as
+            their code does, to reproduce their bf16 numbers (with ``--dtype bfloat16``, or a bf16 evaluation).
     """
     with one_line_errors("load-authors-llama"):
-        model = load_authors_llama(source, getattr(torch, dtype) if dtype else None)
+        model = load_authors_llama(source, getattr(torch, dtype) if dtype else None, router_dtype)
         folder = model_folder(source)
     moh = model.config.moh
     provenance = (f"The authors' MoH-LLaMA3 weights `{source}` (SkyworkAI/MoH, continue-tuned from LLaMA3-8B), loaded "
