@@ -24,7 +24,7 @@ def curve(run_dir: str, tag: str) -> dict[int, float]:
 def main(sweep: str, tag: str, out: str) -> None:
     with open(Path(sweep) / "trials.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["status"] == "finished"]
-    key = next(k for k in rows[0] if k not in ("trial", "seed", "status", "run_dir", "error") and "/" not in k)
+    key = next(k for k in rows[0] if k not in ("trial", "seed", "status", "run_dir", "error", "node") and "/" not in k)
     cells: dict[str, list[dict[int, float]]] = defaultdict(list)
     for row in rows:
         cells[row[key]].append(curve(row["run_dir"], tag))
