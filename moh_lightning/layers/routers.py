@@ -33,7 +33,7 @@ def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.
     mean score; balanced routing has f_i = k / E and P_i = 1 / E, hence the loss k. The paper's Eq. 7 writes
     sum_i f_i P_i with no factor E; the authors' MoH-ViT and MoH-DiT code computes ``mean(P * f) * E * E``, which is
     E times Eq. 7, and their beta = 0.01 weights that: so does this suite. Under torch.distributed with several
-    processes, f_i counts the tokens of every rank while P_i stays local.
+    processes, f_i counts the tokens of every rank while P_i stays local (the authors' code counts each GPU's own).
     """
     weight = None if valid is None else valid.to(probs.dtype)[:, None]
     prob_sum = (probs if weight is None else probs * weight).sum(0)                   # (E,)
