@@ -96,6 +96,7 @@ def test_moh_layers_load_balance_and_dashboards_see_every_stage():
     assert loss is not None and torch.isfinite(loss)
 
 
+@pytest.mark.slow
 def test_head_load_dashboards_log_every_transnext_stage(run_dir):
     """A short run of the embedded TransNeXt config: the dashboards find its MoH layers in every stage."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -202,7 +203,7 @@ def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_pat
 
     torch.save({"hyper_parameters": {"arch": {"vocab_size": 9}}, "state_dict": {"model.embed.weight": torch.zeros(1)}},
                tmp_path / "lm.ckpt")
-    with pytest.raises(SystemExit, match="not an image-classifier checkpoint .* `moh export-hf`"):
+    with pytest.raises(SystemExit, match="is a LanguageModel checkpoint, and export-timm takes .* moh export-hf"):
         export_timm(str(tmp_path / "lm.ckpt"), str(tmp_path / "x"))
 
 

@@ -7,7 +7,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities import rank_zero_only
 
 from moh_lightning.callbacks.head_load import HeadLoadCallback
 from moh_lightning.callbacks.reliability import StepCheckpoint
@@ -27,10 +26,10 @@ class RunSummary(Callback):
         super().__init__()
         self._lines: list[str] = []
 
-    @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.fast_dev_run:
-            self._lines = summary_lines(trainer, pl_module)
+        log_dir = trainer.log_dir  # a broadcast from rank 0 under DDP / FSDP: every rank must ask
+        if trainer.is_global_zero and not trainer.fast_dev_run:
+            self._lines = summary_lines(trainer, pl_module, log_dir)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._lines:
@@ -42,12 +41,12 @@ class RunSummary(Callback):
             self._lines = []
 
 
-def summary_lines(trainer: Trainer, pl_module: LightningModule) -> list[str]:
-    """The summary's lines (see ``RunSummary``)."""
+def summary_lines(trainer: Trainer, pl_module: LightningModule, log_dir: str | None) -> list[str]:
+    """The summary's lines (see ``RunSummary``); ``log_dir`` is ``trainer.log_dir``."""
     lines = [f"moh fit finished at step {trainer.global_step} (epoch {trainer.current_epoch})."]
     loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
-    if loggers and trainer.log_dir:
-        lines.append(f"  run folder:  {trainer.log_dir}")
+    if loggers and log_dir:
+        lines.append(f"  run folder:  {log_dir}")
     lines.append(f"  {_metric_line(trainer)}")
     model = getattr(pl_module, "model", None) or pl_module
     routed = moh_layers(model)

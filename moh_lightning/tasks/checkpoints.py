@@ -79,7 +79,8 @@ def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], t
     if kind not in names:
         fits = TOOLS_FOR.get(kind)
         advice = f"use {fits} for it" if fits else "give a checkpoint written by `moh fit` with that task"
-        raise SystemExit(f"moh {tool}: {checkpoint} is a {kind} checkpoint, not a {wanted} one; {advice}.")
+        raise SystemExit(f"moh {tool}: {checkpoint} is a {kind} checkpoint, and {tool} takes {wanted} ones; "
+                         f"{advice}.")
     return raw
 
 
