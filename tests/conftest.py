@@ -15,6 +15,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Distributed and server tests are slow as well, so that ``-m "not slow"`` leaves them out."""
+    for item in items:
+        if item.get_closest_marker("distributed") or item.get_closest_marker("server"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def run_dir(tmp_path, monkeypatch):
     """An empty working folder, so relative run folders land in tmp and shipped configs resolve by name."""

@@ -22,6 +22,7 @@ SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer
          "--data.init_args.batch_size=32", "--trainer.log_every_n_steps=2"]
 
 
+@pytest.mark.slow
 def test_fit_end_to_end_on_embedded_mnist_logs_per_layer_head_load(run_dir):
     main(["fit", "--config", "vit_tiny_mnist_75.yaml", *SMOKE])
     version = run_dir / "runs" / "vit_tiny_mnist_75" / "version_0"
@@ -43,6 +44,7 @@ def test_fit_end_to_end_on_embedded_mnist_logs_per_layer_head_load(run_dir):
     assert not events.Tags()["histograms"]
 
 
+@pytest.mark.slow
 def test_checkpoint_reloads_to_the_same_validation_accuracy(run_dir):
     main(["fit", "--config", "vit_tiny_mnist_75.yaml", *SMOKE])
     checkpoint = next((run_dir / "runs" / "vit_tiny_mnist_75" / "version_0" / "checkpoints").glob("last.ckpt"))

@@ -156,6 +156,7 @@ def text_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_cpu_config_runs_fast_dev_run(name, run_dir, text_corpus):
     extra = ["--data.init_args.sources", f"[{{path: {text_corpus}, pattern: '*.py', val_fraction: 0.3}}]"] \

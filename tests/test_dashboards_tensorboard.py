@@ -17,6 +17,8 @@ from PIL import Image
 
 from moh_lightning.cli import main
 
+pytestmark = pytest.mark.server
+
 SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
          "--data.init_args.batch_size=32", "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false",
          "--trainer.enable_model_summary=false"]

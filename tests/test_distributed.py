@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from moh_lightning import MoHAttention, pop_load_balance_loss
 from moh_lightning.callbacks import HeadLoadCallback
 
+pytestmark = pytest.mark.distributed
+
 DIM, TOKENS, SAMPLES, STEPS = 32, 12, 16, 3
 
 

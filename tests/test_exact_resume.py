@@ -24,6 +24,8 @@ from moh_lightning.checkpoint_io import AtomicCheckpointIO
 from moh_lightning.cli import MoHLightningCLI
 from moh_lightning.configs import resolve_config
 
+pytestmark = pytest.mark.slow
+
 STEPS = 9
 COMMON = ["--trainer.deterministic=true", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",
           "--trainer.check_val_every_n_epoch=null", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",

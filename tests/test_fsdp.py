@@ -29,6 +29,8 @@ from moh_lightning.tasks.classification import ImageClassifier
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 from moh_lightning.tasks.language_model import LanguageModel
 
+pytestmark = pytest.mark.distributed
+
 CLIP = 1e-3  # far below the gradient norms of these runs, so every step is clipped
 
 

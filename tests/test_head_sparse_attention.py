@@ -185,6 +185,7 @@ def test_auto_chooses_from_shapes(threads):
     assert not use_head_sparse("dense", 4096, 4096, 0.5, decoding=False)
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_report(tmp_path):
     from moh_lightning.tools.bench import bench
 

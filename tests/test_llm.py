@@ -200,6 +200,7 @@ def _fit(tmp_path: Path, max_tokens: int, max_steps: int = -1, **task_kwargs):
     return trainer, task, dm
 
 
+@pytest.mark.slow
 def test_token_budget_stops_training_and_loss_falls(tmp_path):
     trainer, task, dm = _fit(tmp_path, max_tokens=16 * 4 * 2 * 12)  # 12 optimizer steps of 2 micro-batches
     assert trainer.global_step == 12 == task.total_steps()
@@ -243,6 +244,7 @@ def stdlib_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("stdlib_cache")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("llm_stdlib_*.yaml")))
 def test_stdlib_configs_fast_dev_run(config, tmp_path, stdlib_cache):
     moh(["fit", "--config", config, "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}",

@@ -66,6 +66,8 @@ def test_failed_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, monkey
 KILLED_WRITER = """
 import sys, time, torch
 from moh_lightning import checkpoint_io
+
+pytestmark = pytest.mark.slow
 io = checkpoint_io.AtomicCheckpointIO()
 io.save_checkpoint({"step": 1, "weights": torch.ones(1000)}, sys.argv[1])
 def stalled_save(obj, file):

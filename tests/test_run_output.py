@@ -13,6 +13,8 @@ import pytest
 
 from moh_lightning.cli import quiet_third_party
 
+pytestmark = pytest.mark.slow
+
 SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
          "--data.init_args.batch_size=32"]
 

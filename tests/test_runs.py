@@ -9,6 +9,8 @@ import torch
 
 from moh_lightning.cli import main
 
+pytestmark = pytest.mark.slow
+
 
 def _corpus(folder: Path, seed: int) -> Path:
     """A few Python-looking files, different for each seed."""

@@ -34,6 +34,8 @@ from moh_lightning.checkpoint_io import AtomicCheckpointIO
 from moh_lightning.cli import main
 from moh_lightning.runs import checkpoint_problem, latest_loadable_checkpoint
 
+pytestmark = pytest.mark.slow
+
 STEPS = 7
 VIT = ["--config", "vit_tiny_mnist_75.yaml", f"--trainer.max_steps={STEPS}", "--trainer.limit_train_batches=5",
        "--trainer.limit_val_batches=0", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",

@@ -29,6 +29,8 @@ from moh_lightning import sweep as sweep_tool
 from moh_lightning.sweep import _baseline_index, cli_value, grid_cells, trial_names
 from moh_lightning.tools.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
+pytestmark = pytest.mark.server
+
 # The only place naming `moh fit` config keys: the shipped embedded LM config, made tiny by one overlay. When keys
 # are renamed, update them here (see `moh fit --config llm_stdlib_75.yaml --print_config`).
 FIT_CONFIG = "llm_stdlib_75.yaml"

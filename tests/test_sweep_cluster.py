@@ -36,6 +36,8 @@ from test_sweep import FIT_CONFIG, read_csv, run_state, tiny_overlay
 from moh_lightning import cli
 from moh_lightning.sweep import DONE_FILE
 
+pytestmark = pytest.mark.server
+
 RAY = Path(sys.executable).with_name("ray")
 # Loopback, yet an address of its own, so the nodes' IPs differ (Ray takes the head's 127.0.0.1 as the host's address).
 WORKER_IP = "127.0.0.2"
