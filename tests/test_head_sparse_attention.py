@@ -252,9 +252,22 @@ def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, a
     torch.testing.assert_close(batched, _reference(q, k, v, gates, True, 49, padding), **TOL)
 
 
-def test_auto_decodes_dense_off_the_cpu(threads):
+def test_auto_on_cuda_follows_the_cuda_table(threads, monkeypatch):
+    """``auto`` on CUDA runs head-sparse only where ``moh bench --device cuda`` measured it faster: with no table,
+    never; ``sparse`` always."""
+    import moh_lightning.layers.head_sparse_cuda as cuda
+    from moh_lightning.layers.execution import runs_head_sparse
+
     threads(1)
-    assert use_head_sparse("auto", 1, 4096, 0.5, decoding=True, device_type="cpu")
-    assert not use_head_sparse("auto", 1, 4096, 0.5, decoding=True, device_type="cuda")
-    assert use_head_sparse("sparse", 1, 4096, 0.5, decoding=True, device_type="cuda")
-    assert use_head_sparse("auto", 4096, 4096, 0.5, decoding=False, device_type="cuda")
+    assert runs_head_sparse("auto", "cpu", 1, 4096, 0.5, decoding=True, causal=True)
+    monkeypatch.setattr(cuda, "CUDA_SPARSE", {})
+    assert not runs_head_sparse("auto", "cuda", 1, 4096, 0.5, decoding=True, causal=True)
+    assert not runs_head_sparse("auto", "cuda", 4096, 4096, 0.5, decoding=False, causal=False)
+    assert runs_head_sparse("sparse", "cuda", 1, 4096, 0.5, decoding=True, causal=True)
+    monkeypatch.setattr(cuda, "CUDA_SPARSE", {"causal": (2048, 0.75), "decode": (8192, 0.5)})
+    assert runs_head_sparse("auto", "cuda", 4096, 4096, 0.5, decoding=False, causal=True)
+    assert not runs_head_sparse("auto", "cuda", 1024, 1024, 0.5, decoding=False, causal=True)
+    assert not runs_head_sparse("auto", "cuda", 4096, 4096, 0.5, decoding=False, causal=False)
+    assert runs_head_sparse("auto", "cuda", 1, 8192, 0.5, decoding=True, causal=True)
+    assert not runs_head_sparse("auto", "cuda", 1, 8192, 0.75, decoding=True, causal=True)
+    assert not runs_head_sparse("auto", "cuda", 4096, 4096, 1.0, decoding=False, causal=True)

@@ -4,8 +4,8 @@ Import from here rather than from the files: one concept per file, and which fil
 """
 from moh_lightning.layers.budgets import check_head_budget, layerwise
 from moh_lightning.layers.kv_cache import KVCache
+from moh_lightning.layers.execution import ExecutionMode
 from moh_lightning.layers.moh_attention import (
-    ExecutionMode,
     MoHAttention,
     activated_head_fraction,
     moh_layers,

@@ -121,13 +121,13 @@ def head_sparse_attention(
     num_routed = num_heads - num_shared_heads
     # split, not slicing: backward then concatenates the groups' gradients instead of adding full-size ones.
     q_groups = q.split([num_shared_heads, num_routed], dim=1)
-    kv_groups = _split_kv(k, v, num_shared_heads, kv_group)
+    kv_groups = split_kv(k, v, num_shared_heads, kv_group)
     mask_groups = (None, None) if head_mask is None else head_mask.split([num_shared_heads, num_routed], dim=1)
     # Rows b * N + i of one flat buffer, and a last row that collects the outputs of the routed heads' padding
     # slots: the (B, N, h, d) result is then a view of the buffer, not a copy of it.
     out = q.new_zeros(batch * length + 1, num_heads, head_dim)
     if num_shared_heads:
-        shared = _attend_all(q_groups[0], *kv_groups[0], mask_groups[0], *args)           # (B, h_s, N, d)
+        shared = attend_all_queries(q_groups[0], *kv_groups[0], mask_groups[0], *args)           # (B, h_s, N, d)
         out[:batch * length].view(batch, length, num_heads, head_dim)[:, :, :num_shared_heads] = \
             shared.transpose(1, 2) * gates[..., :num_shared_heads, None]
     if num_routed:
@@ -148,7 +148,7 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, zero - float("inf"))
 
 
-def _split_kv(k: torch.Tensor, v: torch.Tensor, num_shared_heads: int, kv_group: int) -> list[tuple]:
+def split_kv(k: torch.Tensor, v: torch.Tensor, num_shared_heads: int, kv_group: int) -> list[tuple]:
     """Keys and values serving the shared and the routed query heads, for SDPA's ``enable_gqa``.
 
     Split views when the groups align with the kv heads, else each query head's kv head copied.
@@ -162,7 +162,7 @@ def _split_kv(k: torch.Tensor, v: torch.Tensor, num_shared_heads: int, kv_group:
             for part in index.split([num_shared_heads, num_heads - num_shared_heads])]
 
 
-def _attend_all(q, k, v, head_mask, causal, offset, key_bias, dropout_p) -> torch.Tensor:
+def attend_all_queries(q, k, v, head_mask, causal, offset, key_bias, dropout_p) -> torch.Tensor:
     """Every query of the given (shared) heads: plain SDPA, with SDPA's own causal block skipping when it can."""
     length, num_keys = q.shape[2], k.shape[2]
     if causal and key_bias is None and head_mask is None and offset == 0 and length == num_keys:

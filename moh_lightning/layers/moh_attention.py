@@ -16,19 +16,15 @@ the helpers that walk a model's blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moh_lightning.layers.budgets import check_head_budget
-from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
+from moh_lightning.layers.execution import EXECUTION_MODES, ExecutionMode, attend, runs_head_sparse
 from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterDtype, RouterType
-
-ExecutionMode = Literal["auto", "dense", "sparse"]
 
 
 class MoHAttention(nn.Module):
@@ -94,7 +90,7 @@ class MoHAttention(nn.Module):
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}.")
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("qk_norm / scale_norm need a norm_layer.")
-        if execution not in ("auto", "dense", "sparse"):
+        if execution not in EXECUTION_MODES:
             raise ValueError(f"execution={execution!r}: choose 'auto', 'dense' or 'sparse'.")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -128,6 +124,10 @@ class MoHAttention(nn.Module):
     @property
     def is_moh(self) -> bool:
         return self.router is not None
+
+    @property
+    def num_shared_heads(self) -> int:
+        return 0 if self.router is None else self.router.num_shared_heads
 
     @property
     def active_heads(self) -> int:
@@ -176,24 +176,15 @@ class MoHAttention(nn.Module):
             k, v = kv_cache.update(k, v)
 
         causal = self.causal or is_causal
-        dropout_p = self.attn_drop.p if self.training else 0.0
-        if gates is not None and self._head_sparse(gates, length, k.shape[2], kv_cache is not None):
-            out = head_sparse_attention(q, k, v, gates.to(q.dtype), self.router.num_shared_heads, causal=causal,
-                                        offset=offset, key_padding_mask=padding_mask, attn_mask=attn_mask,
-                                        dropout_p=dropout_p, active_heads=self.active_heads)   # (B, N, h, d)
-        else:
-            mask = _attention_mask(attn_mask, padding_mask, causal, length, k.shape[2], offset, x.device)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None and offset == 0,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )                                                                          # (B, h, N, d)
-            out = out.transpose(1, 2)                                                  # (B, N, h, d)
-            if gates is not None:
-                out = out * gates[..., None].to(out.dtype)
+        head_sparse = gates is not None and self._head_sparse(gates, length, k.shape[2], kv_cache is not None, causal)
+        out = attend(q, k, v, gates, head_sparse=head_sparse, num_shared_heads=self.num_shared_heads,
+                     active_heads=self.active_heads, causal=causal, offset=offset, padding_mask=padding_mask,
+                     attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0)   # (B, N, h, d)
         out = self.norm(out.reshape(batch, length, self.attn_dim))
         return self.proj_drop(self.proj(out))
 
-    def _head_sparse(self, gates: torch.Tensor, num_queries: int, num_keys: int, decoding: bool) -> bool:
+    def _head_sparse(self, gates: torch.Tensor, num_queries: int, num_keys: int, decoding: bool,
+                     causal: bool) -> bool:
         """Whether this forward computes only the selected (token, head) pairs (``execution``, else the shapes)."""
         # The straight-through router passes a gradient to unselected heads' gates, which needs their outputs.
         if isinstance(self.router, QueryNormRouter) and gates.requires_grad:
@@ -201,31 +192,8 @@ class MoHAttention(nn.Module):
                 raise ValueError("execution='sparse' cannot train the query_norm router: its straight-through "
                                  "gradient needs every head's output. Use execution='auto' or 'dense'.")
             return False
-        return use_head_sparse(self.execution, num_queries, num_keys, self.active_heads / self.num_heads, decoding,
-                               gates.device.type)
-
-
-def _attention_mask(attn_mask: torch.Tensor | None, padding_mask: torch.Tensor | None, causal: bool,
-                    num_queries: int, num_keys: int, offset: int, device) -> torch.Tensor | None:
-    """One boolean / additive mask for SDPA from timm's mask, key padding and causality.
-
-    Returns None when SDPA's own ``is_causal`` (queries and keys aligned) or no mask at all is enough.
-    """
-    needs_explicit_causal = causal and (padding_mask is not None or attn_mask is not None or offset > 0
-                                        or num_queries != num_keys)
-    if padding_mask is None and not needs_explicit_causal:
-        return attn_mask
-    allowed = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=device)
-    if padding_mask is not None:
-        allowed = allowed & padding_mask[:, None, None, :num_keys].bool()
-    if needs_explicit_causal:
-        query_pos = torch.arange(num_queries, device=device)[:, None] + offset
-        allowed = allowed & (torch.arange(num_keys, device=device)[None, :] <= query_pos)
-    if attn_mask is None:
-        return allowed
-    if attn_mask.dtype == torch.bool:
-        return allowed & attn_mask
-    return attn_mask.masked_fill(~allowed, float("-inf"))
+        return runs_head_sparse(self.execution, gates.device.type, num_queries, num_keys,
+                                self.active_heads / self.num_heads, decoding, causal)
 
 
 def moh_layers(model: nn.Module) -> list[MoHAttention]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moh_lightning.layers.budgets import check_head_budget
-from moh_lightning.layers.moh_attention import ExecutionMode
+from moh_lightning.layers.execution import ExecutionMode
 from moh_lightning.layers.routers import RouterDtype, RouterType
 from moh_lightning.serialization import checkpoint_type
 

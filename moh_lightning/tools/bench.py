@@ -320,7 +320,7 @@ def _execution_cells(ms: dict[str, float], name: str, auto: MoHAttention, num_qu
     the path it picks / dense-and-mask's, 1.00 when it picks dense-and-mask, since timing one path twice differs
     by up to 9% here), and the dense-and-mask, sparse and auto cells with their speedups over MHA."""
     gates = torch.ones(1, device=next(auto.parameters()).device)
-    picked = "sparse" if auto._head_sparse(gates, num_queries, num_keys, decoding) else "dense"
+    picked = "sparse" if auto._head_sparse(gates, num_queries, num_keys, decoding, auto.causal) else "dense"
     cells = [f"{ms[f'{name} {e}']:.{digits}f} ({ms['MHA'] / ms[f'{name} {e}']:.2f}×{f', {picked}' * (e == 'auto')})"
              for e in ("dense", "sparse", "auto")]
     return ms[f"{name} {picked}"] / ms[f"{name} dense"], cells
