@@ -24,7 +24,14 @@ from jsonargparse import CLI
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from moh_lightning.callbacks import ExactResumeCallback, FiniteLossGuard, HeadLoadCallback, RunSummary, StepCheckpoint
+from moh_lightning.callbacks import (
+    ExactResumeCallback,
+    FiniteLossGuard,
+    HeadLoadCallback,
+    MoHThroughputMonitor,
+    RunSummary,
+    StepCheckpoint,
+)
 from moh_lightning.configs import expand_config
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
@@ -159,8 +166,8 @@ class MoHLightningCLI(LightningCLI):
     """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config.
 
     The callbacks every run needs are always on, each configured under its own key: ``head_load``
-    (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard`` and
-    ``run_summary``.
+    (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard``,
+    ``run_summary`` and ``throughput`` (``MoHThroughputMonitor``).
     ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
     run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
     or other workers continue, with one line saying what changed.
@@ -199,6 +206,7 @@ class MoHLightningCLI(LightningCLI):
         parser.add_lightning_class_args(ExactResumeCallback, "exact_resume")
         parser.add_lightning_class_args(FiniteLossGuard, "finite_loss_guard")
         parser.add_lightning_class_args(RunSummary, "run_summary")
+        parser.add_lightning_class_args(MoHThroughputMonitor, "throughput")
         # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
         # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
         # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or

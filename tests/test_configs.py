@@ -69,7 +69,7 @@ def _task_hparams(task: dict) -> dict:
 
 
 # Callbacks added to every run since the snapshot; they write or print, and change no training.
-ADDED_CALLBACKS = {"RunSummary"}
+ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor"}
 
 
 def _callbacks(callbacks: list) -> list:

@@ -18,8 +18,8 @@ and every kernel call is one call:
   only the selected heads read the KV cache, with no gather, no copy and no host read.
 
 Shared heads go through SDPA as on the CPU. Anything these kernels cannot take (an arbitrary ``attn_mask``,
-attention dropout, fp32 or key padding in the bidirectional varlen call) goes through the device-agnostic padded path of ``head_sparse_attention``. As there, a pair whose gate is
-zero is skipped and its gate gets no gradient.
+attention dropout, fp32 or key padding in the bidirectional varlen call) goes through the device-agnostic padded
+path of ``head_sparse_attention``. As there, a pair whose gate is zero is skipped and its gate gets no gradient.
 """
 from __future__ import annotations
 

@@ -1,0 +1,187 @@
+"""Training throughput (samples/s, tokens/s) and model FLOPs utilisation, counted twice for a MoH model.
+
+Lightning's ``ThroughputMonitor`` takes one FLOP count per batch. A MoH model has two: the dense model's, every head
+of every layer (the usual MFU convention, which is what a dense baseline of the same shape would be credited with),
+and the heads it actually computed (a head-sparse layer skips the unselected ones). This callback feeds one of
+Lightning's ``Throughput`` meters with each, and counts causal attention at half its square in both.
+
+The FLOPs of one training sample (forward and backward) are counted once, at the start of training, with
+``torch.utils.flop_counter`` on the task's ``example_input`` with every MoH layer computing all its heads; each
+layer's attention core is then scaled by its causal half and, for the computed count, by the share of heads it
+computes at that shape on that device (``execution``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+from moh_lightning.layers import MoHAttention
+from moh_lightning.layers.execution import runs_head_sparse
+
+_aten = torch.ops.aten
+# The compute dtype of each Trainer precision, for the device's peak FLOP/s.
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                    "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
+
+
+# torch counts SDPA's CUDA kernels, not the CPU flash kernel: without these the CPU count would miss attention.
+@register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu)
+def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+@register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _cpu_flash_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                              **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+@dataclass(frozen=True)
+class SampleFlops:
+    """FLOPs of one training sample (forward and backward): the dense model's and the ones actually computed."""
+    dense: float
+    computed: float
+    tokens: int
+
+
+def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
+    """Count ``SampleFlops`` on the task's ``example_input_array`` (one sample); None when the task gives none (or
+    runs under FSDP, where a forward on one rank would wait for the others' shards).
+
+    Run eagerly even when the model is compiled, so that the one-sample count costs no compilation.
+    """
+    example = getattr(pl_module, "example_input_array", None)
+    if example is None:
+        return None
+    example = tuple(t.to(pl_module.device) for t in (example if isinstance(example, tuple) else (example,)))
+    layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoHAttention)}
+    lengths: dict[str, int] = {}
+
+    def record_length(module: MoHAttention, args: tuple) -> None:
+        lengths.setdefault(names[module], args[0].shape[1])
+
+    names = {m: name for name, m in layers.items()}
+    hooks = [m.register_forward_pre_hook(record_length) for m in layers.values()]
+    executions = {name: m.execution for name, m in layers.items()}
+    try:
+        for m in layers.values():
+            m.execution = "dense"
+        with FlopCounterMode(display=False) as counter, torch.compiler.set_stance("force_eager"):
+            out = pl_module(*example)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    finally:
+        for name, m in layers.items():
+            m.execution = executions[name]
+        for hook in hooks:
+            hook.remove()
+        pl_module.zero_grad(set_to_none=True)
+        for m in layers.values():
+            m.last_gates = m.load_balance_loss = None
+    counts = counter.get_flop_counts()
+    dense = computed = float(counter.get_total_flops())
+    device = pl_module.device.type
+    for name, layer in layers.items():
+        per_op = counts.get(f"{type(pl_module).__name__}.{name}", {})       # the counter's name of the layer
+        core = float(sum(flops for op, flops in per_op.items() if "scaled_dot_product" in str(op)))
+        causal = 0.5 if layer.causal else 1.0
+        share = 1.0
+        if layer.is_moh and name in lengths and runs_head_sparse(
+                layer.execution, device, lengths[name], lengths[name], layer.active_heads / layer.num_heads,
+                decoding=False, causal=layer.causal):
+            share = layer.active_heads / layer.num_heads
+        dense -= core * (1 - causal)
+        computed -= core * (1 - causal * share)
+    return SampleFlops(dense, computed, next(iter(lengths.values()), 0))
+
+
+class MoHThroughputMonitor(Callback):
+    """Logs ``throughput/samples_per_sec`` and ``throughput/tokens_per_sec`` (all devices), the FLOP/s of one device
+    (``throughput/flops_per_sec_dense`` / ``_computed``) and, where the device's peak is known,
+    ``throughput/mfu_dense`` and ``throughput/mfu_computed``, every ``log_every_n_steps`` training steps once
+    ``window_size`` batches have run.
+
+    Times are wall-clock from the start of training, with validation left out; tokens are the positions the first
+    attention layer sees per sample (patches, latent patches or text tokens).
+
+    Args:
+        available_flops: Peak FLOP/s of one device; None takes Lightning's table for the device and precision (known
+            GPUs; none for the CPU, where MFU is not logged).
+        window_size: Batches the rates are averaged over.
+    """
+
+    def __init__(self, available_flops: float | None = None, window_size: int = 100) -> None:
+        super().__init__()
+        self.available_flops = available_flops
+        self.window_size = window_size
+        self.flops: SampleFlops | None = None
+        self._meters: tuple[Throughput, Throughput] | None = None
+        self._start = self._paused = 0.0
+        self._paused_at: float | None = None
+        self._samples = self._batches = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        available = self.available_flops
+        if available is None:
+            dtype = PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
+            available = get_available_flops(trainer.strategy.root_device, dtype)
+        self.flops = sample_flops(pl_module)
+        self._meters = tuple(Throughput(available_flops=available, world_size=trainer.world_size,
+                                        window_size=self.window_size) for _ in range(2))
+        self._samples = self._batches = 0
+        self._paused = 0.0
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
+                           ) -> None:
+        if self._meters is None or not trainer.is_global_zero:
+            return
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._start - self._paused
+        self._samples += _batch_size(batch)
+        self._batches += 1
+        tokens = None if self.flops is None or not self.flops.tokens else self._samples * self.flops.tokens
+        # Lightning's meter takes the FLOPs of one step over all devices.
+        samples_per_step = _batch_size(batch) * trainer.world_size
+        for meter, per_sample in zip(self._meters, (None, None) if self.flops is None else
+                                     (self.flops.dense, self.flops.computed)):
+            meter.update(time=elapsed, batches=self._batches, samples=self._samples, lengths=tokens,
+                         flops=None if per_sample is None else int(per_sample * samples_per_step))
+        if trainer.global_step % trainer.log_every_n_steps == 0 and trainer.loggers:
+            self._log(trainer)
+
+    def _log(self, trainer: Trainer) -> None:
+        dense, computed = (meter.compute() for meter in self._meters)
+        # Rates over all devices (Lightning names them without the device/ prefix only with several devices).
+        metrics = {"throughput/samples_per_sec": dense.get("samples_per_sec", dense.get("device/samples_per_sec")),
+                   "throughput/tokens_per_sec": dense.get("items_per_sec", dense.get("device/items_per_sec")),
+                   "throughput/flops_per_sec_dense": dense.get("device/flops_per_sec"),
+                   "throughput/flops_per_sec_computed": computed.get("device/flops_per_sec"),
+                   "throughput/mfu_dense": dense.get("device/mfu"),
+                   "throughput/mfu_computed": computed.get("device/mfu")}
+        metrics = {key: float(value) for key, value in metrics.items() if value is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._meters is not None and not trainer.sanity_checking:
+            self._paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._paused_at is not None:
+            self._paused += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+
+def _batch_size(batch) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    while isinstance(batch, (list, tuple, dict)):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(batch.shape[0])
