@@ -264,3 +264,23 @@ def test_cuda_sparse_compiles():
         eager = layer(x)
         compiled = torch.compile(layer)(x)
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bench_cuda_quick_writes_every_table(tmp_path):
+    """The GPU report's harness, smoke-tested on the CPU (its head-sparse cells go through the CPU backend there)."""
+    from moh_lightning.tools.bench_cuda import bench_cuda
+
+    text = bench_cuda(str(tmp_path / "cuda.md"), dtype="float32", quick=True, device="cpu").read_text()
+    for section in ("## Targets", "## Attention core", "## Whole MoH layer", "## Decoding one token",
+                    "## torch.compile", "CUDA_SPARSE = {"):
+        assert section in text
+    assert "| 128 |" in text and "half the heads" in text
+
+
+def test_bench_on_cuda_without_a_gpu_says_so():
+    from moh_lightning.tools.bench import bench
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(SystemExit, match="--device cuda, but torch sees no CUDA device"):
+        bench(device="cuda")

@@ -116,21 +116,23 @@ class Clock:
         return time.process_time() if self.cpu_time else time.perf_counter()
 
 
-def bench(quick: bool = False, output: str = "results/bench_attention.md", repeats: int = 5, warmup: int = 2,
+def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
           models: bool = True, compiled: bool = True, threads: int | None = None, device: str = "cpu",
           clock: str = "wall", compile_backend: str = "inductor") -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Args:
         quick: A small subset (N = 128, 50% heads, a 256-token cache, the MNIST ViT's step only) for smoke tests.
-        output: Markdown report; the plot goes beside it as ``<stem>.png``.
+        output: Markdown report; the plot goes beside it as ``<stem>.png``. By default
+            ``results/bench_attention.md``, on CUDA ``results/bench_attention_cuda.md``.
         repeats: Timed runs per measurement (the median is reported).
         warmup: Untimed runs before them.
         models: Include the whole-model tables (training steps of every shipped CPU default and of the ViT-S,
             DiT-S/2 and LLM-S shapes, activation-checkpointing memory, LLM-S decoding).
         compiled: Include the compiled-vs-eager table of the three CPU defaults (minutes of compilation).
         threads: torch's intra-op threads; its default (one per core) when None.
-        device: ``cpu`` or ``cuda`` (every table on that device).
+        device: ``cpu``, or ``cuda`` for the GPU report (``bench_cuda``: bf16, the CUDA head-sparse kernels against
+            SDPA over all and over half of the heads; ``quick`` is the only other option it reads).
         clock: ``wall`` (elapsed time) or ``cpu`` (the process's CPU time: steadier on a shared machine; ratios
             between variants compare the work done, not the waiting).
         compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
@@ -138,8 +140,11 @@ def bench(quick: bool = False, output: str = "results/bench_attention.md", repea
     if clock not in ("wall", "cpu"):
         raise SystemExit(f"moh bench: --clock {clock!r}: choose wall or cpu.")
     run_on = torch.device(device)
-    if run_on.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moh bench: --device cuda, but torch sees no CUDA device here.")
+    if run_on.type == "cuda":
+        from moh_lightning.tools.bench_cuda import bench_cuda
+
+        return bench_cuda(output or "results/bench_attention_cuda.md", quick=quick, device=device)
+    output = output or "results/bench_attention.md"
     if clock == "cpu" and run_on.type != "cpu":
         raise SystemExit("moh bench: --clock cpu times CPU work; on a GPU use the wall clock.")
     torch.manual_seed(0)
@@ -373,7 +378,7 @@ def _measure_peak(args: argparse.Namespace) -> float:
     if device.type == "cpu":
         torch.set_num_threads(1)
     if args.model:
-        model, inputs, loss_fn = _model_step_parts(args.model, args.batch, device, args.seq_len)
+        model, inputs, loss_fn = model_step_parts(args.model, args.batch, device, args.seq_len)
         if args.checkpointing:
             checkpoint_blocks(model)
 
@@ -520,7 +525,7 @@ def _shipped_arch(name: str) -> dict:
     return ((config.get("model") or {}).get("init_args") or {}).get("arch") or {}
 
 
-def _model_step_parts(name: str, batch: int, device: torch.device, seq_len: int | None = None):
+def model_step_parts(name: str, batch: int, device: torch.device, seq_len: int | None = None):
     """(model in training mode, inputs, loss of the output) of one training step of a shipped config's network."""
     from moh_lightning.models.dit import DiT, DiTConfig
     from moh_lightning.models.llama import LlamaConfig, MoHLlama
@@ -592,7 +597,7 @@ def _model_section(report: Report, timer: Clock, models, repeats: int, warmup: i
     for family, batch, shape, names, wanted in models:
         if quick:
             names = names[:2]
-        steps = {name: _train_step(*_model_step_parts(name, batch, timer.device, _seq_len(family, batch)))
+        steps = {name: _train_step(*model_step_parts(name, batch, timer.device, _seq_len(family, batch)))
                  for name in names}
         heavy = family == "llm" and batch == 1 or names[0] in ("vit_s_100", "dit_s2_100")
         # The CPU defaults' targets are a few percent: three times the rounds.
@@ -623,8 +628,8 @@ def _checkpointing_section(report: Report, timer: Clock, repeats: int, warmup: i
         if seq_len:
             args += ["--seq_len", str(seq_len)]
         plain, saved = _peak_mib(timer.device, *args), _peak_mib(timer.device, *args, "--checkpointing")
-        model, inputs, loss_fn = _model_step_parts(name, batch, timer.device, seq_len)
-        checkpointed = _model_step_parts(name, batch, timer.device, seq_len)
+        model, inputs, loss_fn = model_step_parts(name, batch, timer.device, seq_len)
+        checkpointed = model_step_parts(name, batch, timer.device, seq_len)
         checkpoint_blocks(checkpointed[0])
         heavy = name in ("vit_s_75", "dit_s2_90")
         ms = _median_ms({"plain": _train_step(model, inputs, loss_fn), "checkpointed": _train_step(*checkpointed)},
@@ -646,8 +651,8 @@ def _compiled_section(report: Report, timer: Clock, repeats: int, warmup: int, b
     for family, batch, shape, names, _ in CPU_DEFAULTS:
         for name in names[:2]:
             torch._dynamo.reset()
-            eager = _train_step(*_model_step_parts(name, batch, timer.device))
-            model, inputs, loss_fn = _model_step_parts(name, batch, timer.device)
+            eager = _train_step(*model_step_parts(name, batch, timer.device))
+            model, inputs, loss_fn = model_step_parts(name, batch, timer.device)
             model.compile(backend=backend)
             compiled = _train_step(model, inputs, loss_fn)
             start = timer.now()
