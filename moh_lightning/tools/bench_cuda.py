@@ -158,7 +158,7 @@ def _layer_table(clock, device, dtype, lengths, fractions, seeds, targets, wins)
     lines = ["## Whole MoH layer, forward + backward", "",
              "Projections, router (and its load-balance loss) and attention; width 1024. Speedup over the MHA "
              "layer; the half-heads layer has half the attention width.", "",
-             "| kind | N | MHA | half the heads | MoH | dense-and-mask | head-sparse |", "|---|---|---|---|---|---|---|"]
+             "| kind | N | MHA | half the heads | MoH | dense-and-mask | head-sparse |", "|---" * 7 + "|"]
     for causal in (False, True):
         kind = "causal" if causal else "bidirectional"
         for length in lengths:
