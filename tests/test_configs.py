@@ -80,8 +80,13 @@ def _callbacks(callbacks: list) -> list:
 
 
 def _layers(layers: list) -> list:
-    # A dense layer has no router, so its execution mode is never read: only routed layers' modes count.
-    return [layer if layer[5] is not None else [*layer[:4], None, *layer[5:]] for layer in layers]
+    # A dense layer has no router, so its execution mode is never read: only routed layers' modes count. The mode
+    # that computes every head and masks was called "dense" when the snapshot was taken.
+    return [[*layer[:4], None if layer[5] is None else RENAMED_EXECUTION.get(layer[4], layer[4]), *layer[5:]]
+            for layer in layers]
+
+
+RENAMED_EXECUTION = {"dense": "masked"}
 
 
 # Experiments shipped after the snapshot was taken; their own tests cover them (tests/test_transnext*.py).

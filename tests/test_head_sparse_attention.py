@@ -12,7 +12,7 @@ TOL = {"atol": 1e-5, "rtol": 0.0}
 
 def _pair(**kwargs) -> tuple[MoHAttention, MoHAttention]:
     torch.manual_seed(0)
-    dense = MoHAttention(64, execution="dense", **kwargs)
+    dense = MoHAttention(64, execution="masked", **kwargs)
     sparse = copy.deepcopy(dense)
     sparse.execution = "sparse"
     return dense, sparse
@@ -182,7 +182,7 @@ def test_auto_chooses_from_shapes(threads):
     assert not use_head_sparse("auto", 1, 16384, 0.5, decoding=True)
     assert not use_head_sparse("auto", 4096, 4096, 1.0, decoding=False)
     assert use_head_sparse("sparse", 8, 8, 1.0, decoding=False)
-    assert not use_head_sparse("dense", 4096, 4096, 0.5, decoding=False)
+    assert not use_head_sparse("masked", 4096, 4096, 0.5, decoding=False)
 
 
 @pytest.mark.slow

@@ -217,7 +217,7 @@ GPU_CASES = {
 def test_cuda_sparse_equals_dense_forward_backward(case, dtype):
     kwargs, extra = GPU_CASES[case]
     torch.manual_seed(0)
-    dense = MoHAttention(512, execution="dense", **kwargs).cuda().to(dtype)
+    dense = MoHAttention(512, execution="masked", **kwargs).cuda().to(dtype)
     sparse = copy.deepcopy(dense)
     sparse.execution = "sparse"
     x = torch.randn(2, 1000, 512, device="cuda", dtype=dtype)
@@ -242,7 +242,7 @@ def test_cuda_sparse_decoding_equals_dense(num_kv_heads):
 
     torch.manual_seed(0)
     dense = MoHAttention(512, 8, num_shared_heads=2, top_k=2, num_kv_heads=num_kv_heads, causal=True,
-                         execution="dense").cuda().to(torch.bfloat16).eval()
+                         execution="masked").cuda().to(torch.bfloat16).eval()
     sparse = copy.deepcopy(dense)
     sparse.execution = "sparse"
     x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)

@@ -230,3 +230,27 @@ def test_fused_router_in_bfloat16_and_without_input_gradient():
     assert out.gates.dtype == torch.bfloat16 and out.load_balance_loss.dtype == torch.bfloat16
     (out.gates.float().square().sum() + out.load_balance_loss.float()).backward()   # x needs no gradient
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in layer.router.parameters())
+
+
+def test_moh_config_checks_the_whole_budget_at_construction():
+    from moh_lightning.layers.moh_config import MoHConfig
+
+    with pytest.raises(ValueError, match="moh.router='learnt'"):
+        MoHConfig(router="learnt")
+    with pytest.raises(ValueError, match="moh.router_dtype"):
+        MoHConfig(router="query_norm", router_dtype="bf16")
+    with pytest.raises(ValueError, match="moh.execution=sparse cannot train the query_norm router"):
+        MoHConfig(router="query_norm", execution="sparse")
+    with pytest.raises(ValueError, match="moh.execution='fast'"):
+        MoHConfig(execution="fast")
+    with pytest.raises(ValueError, match="moh.top_k"):
+        MoHConfig(top_k=[2, -1])
+
+
+def test_the_old_execution_name_dense_means_masked_for_one_release():
+    from moh_lightning.layers.moh_config import MoHConfig
+
+    with pytest.warns(FutureWarning, match="now called 'masked'"):
+        assert MoHConfig(execution="dense").execution == "masked"
+    with pytest.warns(FutureWarning, match="now called 'masked'"):
+        assert MoHAttention(32, 4, num_shared_heads=1, top_k=2, execution="dense").execution == "masked"

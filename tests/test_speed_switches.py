@@ -108,7 +108,7 @@ def test_checkpointed_blocks_run_plainly_without_autograd_and_survive_deepcopy()
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_and_mask_layer_compiles_in_one_graph_with_equal_outputs_and_gradients(causal):
     torch.manual_seed(0)
-    layer = MoHAttention(32, 8, num_shared_heads=2, top_k=3, causal=causal, execution="dense").train()
+    layer = MoHAttention(32, 8, num_shared_heads=2, top_k=3, causal=causal, execution="masked").train()
     compiled = copy.deepcopy(layer)
     compiled.compile(backend="aot_eager", fullgraph=True)        # fullgraph: any graph break is an error
     x = torch.randn(2, 12, 32)

@@ -15,7 +15,7 @@ from moh_lightning.layers import MoHAttention
 class TinyTask(LightningModule):
     """Two MoH layers over 96 tokens: one causal, one bidirectional."""
 
-    def __init__(self, execution: str = "dense") -> None:
+    def __init__(self, execution: str = "masked") -> None:
         super().__init__()
         self.model = torch.nn.ModuleList([
             MoHAttention(32, 8, num_shared_heads=2, top_k=2, causal=True, execution=execution),
@@ -40,7 +40,7 @@ class TinyTask(LightningModule):
 def _counted(task: TinyTask) -> tuple[float, list[float]]:
     """Total FLOPs of one sample's forward and backward, every head computed, and each layer's attention core."""
     for layer in task.model:
-        layer.execution = "dense"
+        layer.execution = "masked"
     with FlopCounterMode(display=False) as counter:
         task(task.example_input_array).sum().backward()
     counts = counter.get_flop_counts()
@@ -49,16 +49,16 @@ def _counted(task: TinyTask) -> tuple[float, list[float]]:
     return counter.get_total_flops(), cores
 
 
-@pytest.mark.parametrize("execution", ["dense", "sparse"])
+@pytest.mark.parametrize("execution", ["masked", "sparse"])
 def test_sample_flops_halve_causal_attention_and_count_only_computed_heads(execution):
     torch.manual_seed(0)
     task = TinyTask(execution)
     flops = sample_flops(task)
     assert [layer.execution for layer in task.model] == [execution] * 2      # restored after counting
-    total, (causal_core, core) = _counted(TinyTask("dense"))
+    total, (causal_core, core) = _counted(TinyTask("masked"))
     assert causal_core > 0 and core > 0, "the attention cores were not counted"
     assert flops.dense == pytest.approx(total - 0.5 * causal_core)
-    if execution == "dense":
+    if execution == "masked":
         assert flops.computed == flops.dense
     else:   # the causal layer computes 2 + 2 of 8 heads, the other 2 + 4
         assert flops.computed == pytest.approx(total - causal_core * (1 - 0.5 * 4 / 8) - core * (1 - 6 / 8))

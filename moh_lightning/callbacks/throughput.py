@@ -70,7 +70,7 @@ def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
     executions = {name: m.execution for name, m in layers.items()}
     try:
         for m in layers.values():
-            m.execution = "dense"
+            m.execution = "masked"
         with FlopCounterMode(display=False) as counter, torch.compiler.set_stance("force_eager"):
             out = pl_module(*example)
             (out[0] if isinstance(out, tuple) else out).float().sum().backward()

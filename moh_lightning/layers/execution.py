@@ -1,11 +1,12 @@
 """How a MoH layer computes its heads: the one dispatch between dense-and-mask and the head-sparse backends.
 
-Apart from the block so that ``MoHAttention`` knows nothing of devices: ``execution`` (``auto`` / ``dense`` /
+Apart from the block so that ``MoHAttention`` knows nothing of devices: ``execution`` (``auto`` / ``masked`` /
 ``sparse``) and the device pick the path here, and each head-sparse backend (``head_sparse_attention`` for the CPU
 and any device, ``head_sparse_cuda`` for CUDA kernels) keeps its own measured table of where it wins.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -14,8 +15,21 @@ import torch.nn.functional as F
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
 from moh_lightning.layers.head_sparse_cuda import head_sparse_attention_cuda, use_head_sparse_cuda
 
-ExecutionMode = Literal["auto", "dense", "sparse"]
-EXECUTION_MODES = ("auto", "dense", "sparse")
+# "masked" computes every head and zeroes the unselected ones (dense-and-mask); "dense" was its name before, when the
+# word also meant the baseline without a router: accepted for one release.
+ExecutionMode = Literal["auto", "masked", "sparse", "dense"]
+EXECUTION_MODES = ("auto", "masked", "sparse", "dense")
+
+
+def execution_mode(execution: str, key: str = "execution") -> ExecutionMode:
+    """``execution`` checked, with the old name ``dense`` mapped to ``masked`` (and a warning)."""
+    if execution not in EXECUTION_MODES:
+        raise ValueError(f"{key}={execution!r}: choose 'auto', 'masked' or 'sparse'.")
+    if execution == "dense":
+        warnings.warn(f"{key}='dense' is now called 'masked' (every head computed, the unselected ones zeroed); "
+                      "'dense' is accepted until the next release.", FutureWarning, stacklevel=3)
+        return "masked"
+    return execution
 
 
 def runs_head_sparse(execution: ExecutionMode, device_type: str, num_queries: int, num_keys: int,

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moh_lightning.layers.budgets import check_head_budget
-from moh_lightning.layers.execution import EXECUTION_MODES, ExecutionMode, attend, runs_head_sparse
+from moh_lightning.layers.execution import ExecutionMode, attend, execution_mode, runs_head_sparse
 from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterDtype, RouterType
 
@@ -44,7 +44,7 @@ class MoHAttention(nn.Module):
             linear layer and runs in the activations' dtype, as the authors' ViT and DiT code.
         num_kv_heads: Key/value heads for grouped-query attention; ``num_heads`` when None.
         causal: Each token attends only to itself and earlier tokens.
-        execution: ``"dense"`` computes every head and weights it by its gate, ``"sparse"`` only the
+        execution: ``"masked"`` computes every head and weights it by its gate, ``"sparse"`` only the
             selected (token, head) pairs, ``"auto"`` picks from the shapes.
 
     The other arguments are timm's ``Attention`` arguments with the same meaning. After a forward,
@@ -90,8 +90,6 @@ class MoHAttention(nn.Module):
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}.")
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("qk_norm / scale_norm need a norm_layer.")
-        if execution not in EXECUTION_MODES:
-            raise ValueError(f"execution={execution!r}: choose 'auto', 'dense' or 'sparse'.")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -99,7 +97,7 @@ class MoHAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.fused_attn = True  # timm reads this flag; SDPA is always used here.
         self.causal = causal
-        self.execution = execution
+        self.execution = execution_mode(execution)
 
         self.qkv = nn.Linear(dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(head_dim, **dd) if qk_norm else nn.Identity()
@@ -190,7 +188,7 @@ class MoHAttention(nn.Module):
         if isinstance(self.router, QueryNormRouter) and gates.requires_grad:
             if self.execution == "sparse":
                 raise ValueError("execution='sparse' cannot train the query_norm router: its straight-through "
-                                 "gradient needs every head's output. Use execution='auto' or 'dense'.")
+                                 "gradient needs every head's output. Use execution='auto' or 'masked'.")
             return False
         return runs_head_sparse(self.execution, gates.device.type, num_queries, num_keys,
                                 self.active_heads / self.num_heads, decoding, causal)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 from moh_lightning.layers.budgets import check_head_budget
-from moh_lightning.layers.execution import ExecutionMode
+from moh_lightning.layers.execution import ExecutionMode, execution_mode
 from moh_lightning.layers.routers import RouterDtype, RouterType
 from moh_lightning.serialization import checkpoint_type
 
@@ -29,7 +30,7 @@ class MoHConfig:
         router_dtype: Precision of the query-norm router's scores: ``"float32"`` (exact ranking), or
             ``"activation"``, the activations' dtype as the authors' MoH-LLaMA3 code (their bf16 head choices).
         two_stage_routing: Learn the shared / routed balance (Eq. 6); False fixes it at 1/2 each (Tab. 5 ablation).
-        execution: ``"dense"`` computes every head and masks, ``"sparse"`` only the selected (token, head) pairs,
+        execution: ``"masked"`` computes every head and masks, ``"sparse"`` only the selected (token, head) pairs,
             ``"auto"`` picks from the shapes.
     """
 
@@ -39,6 +40,21 @@ class MoHConfig:
     router_dtype: RouterDtype = "float32"
     two_stage_routing: bool = True
     execution: ExecutionMode = "auto"
+
+    def __post_init__(self) -> None:
+        """The whole budget checked once, before any layer is built: each value, and the combinations no layer
+        could run (per-layer values are checked against the model's heads in ``layers``)."""
+        for key, value, allowed in (("router", self.router, get_args(RouterType)),
+                                    ("router_dtype", self.router_dtype, get_args(RouterDtype))):
+            if value not in allowed:
+                raise ValueError(f"moh.{key}={value!r}: choose one of {', '.join(map(repr, allowed))}.")
+        self.execution = execution_mode(self.execution, "moh.execution")
+        for key, value in (("num_shared_heads", self.num_shared_heads), ("top_k", self.top_k)):
+            if any(v is not None and (not isinstance(v, int) or v < 0) for v in _values(value)):
+                raise ValueError(f"moh.{key}={value!r}: give a non-negative int, or one per layer.")
+        if self.router == "query_norm" and self.execution == "sparse":
+            raise ValueError("moh.execution=sparse cannot train the query_norm router: its straight-through gradient "
+                             "needs every head's output. Use auto (head-sparse at inference where it pays) or masked.")
 
     def layers(self, num_heads: int | Sequence[int], depth: int) -> list[dict]:
         """``MoHAttention`` keyword arguments for each of ``depth`` layers, every budget checked."""
@@ -71,6 +87,10 @@ def activated_fraction(moh: MoHConfig | None, num_heads: int | Sequence[int], de
 def as_moh_config(value: MoHConfig | dict | None) -> MoHConfig | None:
     """A ``MoHConfig`` from itself or from the dict a checkpoint's hyper-parameters hold."""
     return MoHConfig(**value) if isinstance(value, dict) else value
+
+
+def _values(value: int | Sequence[int] | None) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _per_layer(value: int | Sequence[int] | None, depth: int, key: str) -> list:

@@ -314,7 +314,7 @@ def _execution_layers(causal: bool, fractions: dict[str, int], device: torch.dev
     """MHA, and for each fraction the MoH layer under each execution, named ``"<fraction> auto|sparse|dense"``."""
     layers = {"MHA": _layer(causal, True, device=device)}
     for name, top_k in fractions.items():
-        for execution in ("auto", "sparse", "dense"):
+        for execution in ("auto", "sparse", "masked"):
             layers[f"{name} {execution}"] = _layer(causal, False, execution, top_k, device)
     return layers
 
@@ -325,9 +325,9 @@ def _execution_cells(ms: dict[str, float], name: str, auto: MoHAttention, num_qu
     the path it picks / dense-and-mask's, 1.00 when it picks dense-and-mask, since timing one path twice differs
     by up to 9% here), and the dense-and-mask, sparse and auto cells with their speedups over MHA."""
     gates = torch.ones(1, device=next(auto.parameters()).device)
-    picked = "sparse" if auto._head_sparse(gates, num_queries, num_keys, decoding, auto.causal) else "dense"
+    picked = "sparse" if auto._head_sparse(gates, num_queries, num_keys, decoding, auto.causal) else "masked"
     cells = [f"{ms[f'{name} {e}']:.{digits}f} ({ms['MHA'] / ms[f'{name} {e}']:.2f}×{f', {picked}' * (e == 'auto')})"
-             for e in ("dense", "sparse", "auto")]
+             for e in ("masked", "sparse", "auto")]
     return ms[f"{name} {picked}"] / ms[f"{name} dense"], cells
 
 
@@ -434,7 +434,7 @@ def _memory_section(report: Report, device: torch.device, length: int) -> None:
         mha = _peak_mib(device, *flags, "--dense")
         materialised = _peak_mib(device, *flags, "--dense", "--materialised") if length <= 4096 else float("nan")
         sparse = _peak_mib(device, *flags, "--execution", "sparse")
-        masked = _peak_mib(device, *flags, "--execution", "dense")
+        masked = _peak_mib(device, *flags, "--execution", "masked")
         rows.append(["causal" if causal else "bidirectional", length, f"{mha:.0f}", f"{materialised:.0f}",
                      f"{sparse:.0f} ({sparse / mha:.2f}×, {sparse / materialised:.2f}×)",
                      f"{masked:.0f} ({masked / mha:.2f}×)"])
@@ -766,7 +766,7 @@ def _plot(report: Report, path: Path) -> None:
 def _parse_peak(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m moh_lightning.tools.bench peak-memory")
     parser.add_argument("--length", type=int, default=4096, help="Sequence length N of the layer.")
-    parser.add_argument("--execution", choices=("auto", "dense", "sparse"), default="auto")
+    parser.add_argument("--execution", choices=("auto", "masked", "sparse"), default="auto")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dense", action="store_true", help="Plain multi-head attention instead of MoH.")
     parser.add_argument("--materialised", action="store_true", help="Force SDPA's math backend.")

@@ -171,15 +171,15 @@ def _layer_table(clock, device, dtype, lengths, fractions, seeds, targets, wins)
                     balance = pop_load_balance_loss(layer)
                     (out if balance is None else out + 0.01 * balance).backward()
                 return run
-            mha = clock(step(_layer(causal, None, "dense", device, dtype)))
-            halved = clock(step(_layer(causal, None, "dense", device, dtype, num_heads=HEADS // 2)))
+            mha = clock(step(_layer(causal, None, "masked", device, dtype)))
+            halved = clock(step(_layer(causal, None, "masked", device, dtype, num_heads=HEADS // 2)))
             for name, top_k in fractions.items():
                 cells = {label: [clock(step(_layer(causal, top_k, label, device, dtype, seed=seed))) for seed in seeds]
-                         for label in ("dense", "sparse")}
+                         for label in ("masked", "sparse")}
                 lines.append(f"| {kind} | {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
-                             f"{_speedup_cell(mha, cells['dense'])} | {_speedup_cell(mha, cells['sparse'])} |")
+                             f"{_speedup_cell(mha, cells['masked'])} | {_speedup_cell(mha, cells['sparse'])} |")
                 _target(targets, "layer forward + backward", length, name, mha, cells["sparse"])
-                if statistics.median(cells["sparse"]) < statistics.median(cells["dense"]):
+                if statistics.median(cells["sparse"]) < statistics.median(cells["masked"]):
                     wins.setdefault((kind, name), []).append(length)
     return lines + [""]
 
@@ -209,14 +209,14 @@ def _decode_table(clock, device, dtype, caches, fractions, seeds, targets, wins)
                 with torch.no_grad():
                     layer(x, kv_cache=cache)
             return run
-        layer_mha = clock(decode_step(_layer(True, None, "dense", device, dtype).eval()))
+        layer_mha = clock(decode_step(_layer(True, None, "masked", device, dtype).eval()))
         for name, top_k in fractions.items():
             core, layer_times = {}, {}
             for head_sparse in (False, True):
                 core[head_sparse] = [clock(_run(lambda g=_gates(batch, 1, top_k, device, dtype, seed): attend(
                     *full, g, head_sparse=head_sparse, num_shared_heads=SHARED, active_heads=SHARED + top_k,
                     causal=True, offset=length - 1), False)) for seed in seeds]
-                layer = _layer(True, top_k, "sparse" if head_sparse else "dense", device, dtype).eval()
+                layer = _layer(True, top_k, "sparse" if head_sparse else "masked", device, dtype).eval()
                 layer_times[head_sparse] = [clock(decode_step(layer))]
             lines.append(f"| {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
                          f"{_speedup_cell(mha, core[False])} | {_speedup_cell(mha, core[True])} | "
