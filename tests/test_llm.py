@@ -94,7 +94,7 @@ def test_generate_greedy_seeded_and_eos():
         for _ in range(8):
             idx = torch.cat([idx, model(idx)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(greedy, idx)
-    assert torch.equal(model.generate(prompt, 8, top_k=1), greedy)
+    assert torch.equal(model.generate(prompt, 8, top_k_tokens=1), greedy)
     a = model.generate(prompt, 8, temperature=1.0, seed=3)
     assert torch.equal(a, model.generate(prompt, 8, temperature=1.0, seed=3))
     eos = int(greedy[0, 5])
@@ -105,7 +105,7 @@ def test_sample_top_p_keeps_smallest_nucleus():
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
     drawn = {int(sample(logits, top_p=0.7, generator=torch.Generator().manual_seed(s))) for s in range(200)}
     assert drawn == {0, 1}
-    drawn = {int(sample(logits, top_k=3, generator=torch.Generator().manual_seed(s))) for s in range(200)}
+    drawn = {int(sample(logits, top_k_tokens=3, generator=torch.Generator().manual_seed(s))) for s in range(200)}
     assert drawn == {0, 1, 2}
 
 

@@ -173,12 +173,13 @@ class MoHLlama(nn.Module):
                         device=weight.device, dtype=weight.dtype) for _ in self.blocks]
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float = 1.0, eos_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k_tokens: int | None = None, top_p: float = 1.0, eos_id: int | None = None, seed: int | None = None) -> torch.Tensor:
         """Continues ``idx`` (B, T) by sampling, one token per forward through the KV cache.
 
         The router runs on every decoded token, so each new token picks its own heads. ``temperature=0``
-        is greedy decoding. Stops early once every row has produced ``eos_id``.
+        is greedy decoding; ``top_k_tokens`` and ``top_p`` filter as in ``sample``. Stops early once every row has
+        produced ``eos_id``.
         """
         batch, length = idx.shape
         total = min(length + max_new_tokens, self.config.block_size)
@@ -189,7 +190,7 @@ class MoHLlama(nn.Module):
         out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
         logits = self(idx, caches)[:, -1]
         for _ in range(total - length):
-            token = sample(logits, temperature, top_k, top_p, generator)                 # (B, 1)
+            token = sample(logits, temperature, top_k_tokens, top_p, generator)                 # (B, 1)
             if eos_id is not None:
                 token = token.masked_fill(done[:, None], eos_id)
                 done |= token[:, 0] == eos_id
@@ -200,9 +201,10 @@ class MoHLlama(nn.Module):
         return out
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k_tokens: int | None = None, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``logits`` (B, V): temperature, then top-k, then nucleus (top-p) filtering.
+    """One token per row of ``logits`` (B, V): temperature, then the ``top_k_tokens`` most likely tokens, then nucleus
+    (top-p) filtering. (Named apart from MoH's ``top_k``, the routed heads per token.)
 
     Written out rather than borrowed from ``transformers``' logits warpers so the model file needs only
     torch; the semantics are the same (keep the smallest set of tokens whose probability reaches top_p).
@@ -210,8 +212,8 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    if top_k_tokens is not None and top_k_tokens < logits.shape[-1]:
+        kth = logits.topk(top_k_tokens, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -12,7 +12,7 @@ def generate(
         prompt: str = "def ",
         max_new_tokens: int = 200,
         temperature: float = 0.8,
-        top_k: int | None = 50,
+        top_k_tokens: int | None = 50,
         top_p: float = 1.0,
         seed: int = 0,
         num_samples: int = 1,
@@ -25,7 +25,7 @@ def generate(
         prompt: Text to continue.
         max_new_tokens: Tokens to generate (fewer if EOS comes first or the context is full).
         temperature: Softmax temperature; 0 is greedy decoding.
-        top_k: Sample among the k most likely tokens; None for all.
+        top_k_tokens: Sample among the k most likely tokens; None for all.
         top_p: Nucleus sampling mass; 1.0 turns it off.
         seed: Random seed of the sampler.
         num_samples: Continuations to draw.
@@ -40,7 +40,7 @@ def generate(
     if not ids:
         raise ValueError("--prompt is empty after tokenisation: give some text to continue.")
     idx = torch.tensor([ids] * num_samples)
-    out = task.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    out = task.model.generate(idx, max_new_tokens, temperature=temperature, top_k_tokens=top_k_tokens, top_p=top_p,
                               eos_id=tok.eos_token_id, seed=seed)
     texts = [tok.decode(row[len(ids):].tolist(), skip_special_tokens=True) for row in out]
     for text in texts:
