@@ -20,7 +20,7 @@ TINY_LLM_BUDGETS: dict[str, MoHConfig | None] = {
     "tiny_50": MoHConfig(num_shared_heads=1, top_k=1),
 }
 
-DIT_T4 = {"input_size": 32, "patch_size": 4, "in_channels": 1, "num_classes": 10, "embed_dim": 128, "depth": 4,
+DIT_T4 = {"input_size": 32, "patch_size": 4, "in_chans": 1, "num_classes": 10, "embed_dim": 128, "depth": 4,
           "num_heads": 8}
 # name -> head budget of DiT-T/4: dense, 29 of 32 heads (90%), 24 of 32 heads (75%).
 DIT_T4_BUDGETS: dict[str, MoHConfig | None] = {

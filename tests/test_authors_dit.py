@@ -97,7 +97,7 @@ def authors_state(m: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def tiny_config() -> DiTConfig:
-    return DiTConfig(input_size=8, patch_size=2, in_channels=4, embed_dim=48, depth=4, num_heads=TINY["num_heads"],
+    return DiTConfig(input_size=8, patch_size=2, in_chans=4, embed_dim=48, depth=4, num_heads=TINY["num_heads"],
                      head_dim=8, num_classes=5, moh=MoHConfig(num_shared_heads=TINY["shared_head"],
                                                               top_k=TINY["routed_head"]))
 
@@ -105,7 +105,7 @@ def tiny_config() -> DiTConfig:
 def golden_config() -> DiTConfig:
     """The suite's DiT of the golden file's tiny MoH-DiT (their parametrisation in its ``spec``)."""
     m = GOLDEN_META["spec"]
-    return DiTConfig(input_size=m["input_size"], patch_size=m["patch_size"], in_channels=m["in_channels"],
+    return DiTConfig(input_size=m["input_size"], patch_size=m["patch_size"], in_chans=m["in_channels"],
                      embed_dim=m["hidden_size"], depth=len(m["num_heads"]), num_heads=m["num_heads"],
                      head_dim=m["head_dim"], num_classes=m["num_classes"],
                      moh=MoHConfig(num_shared_heads=m["shared_head"], top_k=m["routed_head"]))
@@ -205,7 +205,7 @@ def test_mismatches_name_the_keys():
 def test_load_authors_dit_writes_a_checkpoint_moh_sample_reads(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.save(authors_state(TINY), tmp_path / "authors.pt")
-    arch = {"input_size": 8, "patch_size": 2, "in_channels": 4, "embed_dim": 48, "depth": 4,
+    arch = {"input_size": 8, "patch_size": 2, "in_chans": 4, "embed_dim": 48, "depth": 4,
             "num_heads": TINY["num_heads"], "head_dim": 8, "num_classes": 5,
             "moh": {"num_shared_heads": TINY["shared_head"], "top_k": TINY["routed_head"]}}
     (tmp_path / "tiny_latent.yaml").write_text(json.dumps({  # JSON is YAML; no data section: no VAE to decode

@@ -263,7 +263,7 @@ def test_cards_stay_wide_and_readable():
 
 
 def test_diffusion_task_exposes_the_timesteps_it_drew():
-    arch = DiTConfig(input_size=8, patch_size=4, in_channels=1, embed_dim=32, depth=2, num_heads=4, num_classes=3,
+    arch = DiTConfig(input_size=8, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=4, num_classes=3,
                      moh=MoHConfig(num_shared_heads=2, top_k=1))
     task = ClassConditionalDiffusion(arch, num_train_timesteps=100)
     assert task.last_timesteps is None

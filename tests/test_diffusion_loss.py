@@ -19,7 +19,7 @@ def golden():
 
 
 def _task(schedule: str) -> ClassConditionalDiffusion:
-    return ClassConditionalDiffusion(dit_t4_config(depth=1, input_size=4, in_channels=2, num_classes=2),
+    return ClassConditionalDiffusion(dit_t4_config(depth=1, input_size=4, in_chans=2, num_classes=2),
                                      beta_schedule=schedule)
 
 
@@ -49,7 +49,7 @@ def test_the_bound_term_passes_no_gradient_to_the_noise_prediction(golden):
 
 def test_the_bound_term_is_not_rescaled_with_the_number_of_steps(golden):
     """DiT's loss type is MSE, not RESCALED_MSE: vb is the bound term itself at any number of training steps."""
-    task = ClassConditionalDiffusion(dit_t4_config(depth=1, input_size=4, in_channels=2, num_classes=2),
+    task = ClassConditionalDiffusion(dit_t4_config(depth=1, input_size=4, in_chans=2, num_classes=2),
                                      num_train_timesteps=500)
     x0, t, noise, output = golden["x0"], golden["t"] // 2, golden["noise"], golden["model_output"]
     x_t = task.noise_scheduler.add_noise(x0, noise, t)
@@ -57,3 +57,26 @@ def test_the_bound_term_is_not_rescaled_with_the_number_of_steps(golden):
     channels = x0.shape[1]
     expected = task.criterion.variational_bound(x0, x_t, t, output[:, :channels], output[:, channels:])
     torch.testing.assert_close(terms["vb"], expected, rtol=0, atol=0)
+
+
+def test_terms_are_per_sample_means_whatever_the_image_size(golden):
+    """The golden inputs tiled 2 x 2 (8 x 8 images of 2 channels) give DiT's per-sample terms: the variance output is
+    told apart by its channels alone; an eps-only output (no variance channels) has no bound term."""
+    criterion = _task("linear").criterion
+    tile = lambda x: x.repeat(1, 1, 2, 2)  # noqa: E731
+    x0, x_t, noise, output = (tile(golden[k]) for k in ("x0", "linear.x_t", "noise", "model_output"))
+    terms = criterion(output, x0, x_t, golden["t"], noise)
+    for key in ("mse", "vb", "loss"):
+        torch.testing.assert_close(terms[key], golden[f"linear.{key}"], rtol=2e-5, atol=1e-6, msg=key)
+    eps_only = criterion(output[:, :x0.shape[1]], x0, x_t, golden["t"], noise)
+    torch.testing.assert_close(eps_only["mse"], golden["linear.mse"], rtol=2e-5, atol=1e-6)
+    assert torch.equal(eps_only["vb"], torch.zeros_like(eps_only["mse"])) and torch.equal(eps_only["loss"],
+                                                                                           eps_only["mse"])
+
+
+def test_the_schedule_is_not_in_checkpoints():
+    """The loss's schedule tensors are rebuilt from the task's options, never read back from a checkpoint: a task's
+    state dict holds the network alone (a checkpoint of one schedule cannot carry it into another)."""
+    task = _task("linear")
+    assert len(task.criterion.state_dict()) == 0
+    assert not [key for key in task.state_dict() if key.startswith("criterion.")]

@@ -20,7 +20,7 @@ from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
-TINY = dict(input_size=8, patch_size=2, in_channels=2, embed_dim=32, depth=3, num_heads=4, num_classes=5)
+TINY = dict(input_size=8, patch_size=2, in_chans=2, embed_dim=32, depth=3, num_heads=4, num_classes=5)
 # The named DiTs are the shipped configs: dit_<size>_<percent of heads>.yaml (100 = the dense DiT).
 DIT_YAMLS = sorted(p.name for p in config_dir().glob("dit_*.yaml"))
 
@@ -94,7 +94,7 @@ def test_cfg_scale_one_is_the_conditional_model():
 
 
 def test_variational_bound_vanishes_for_the_true_posterior():
-    task = ClassConditionalDiffusion(dit_t4_config(input_size=8, in_channels=1, num_classes=2))
+    task = ClassConditionalDiffusion(dit_t4_config(input_size=8, in_chans=1, num_classes=2))
     loss: GaussianDiffusionLoss = task.criterion
     torch.manual_seed(0)
     x0 = torch.rand(4, 1, 8, 8) * 2 - 1
@@ -112,7 +112,7 @@ def test_variational_bound_vanishes_for_the_true_posterior():
 
 def test_variational_bound_matches_adm_formulas_for_a_wrong_prediction():
     """The bound term for a model that is off (eps + 0.3, v = 0.2), against ADM's formulas re-computed in float64."""
-    task = ClassConditionalDiffusion(dit_t4_config(input_size=8, in_channels=1, num_classes=2))
+    task = ClassConditionalDiffusion(dit_t4_config(input_size=8, in_chans=1, num_classes=2))
     torch.manual_seed(0)
     x0 = torch.rand(3, 1, 8, 8, dtype=torch.float64) * 2 - 1
     t = torch.tensor([1, 37, 800])
@@ -138,7 +138,7 @@ def test_variational_bound_matches_adm_formulas_for_a_wrong_prediction():
 
 
 def _tiny_task(**kwargs) -> ClassConditionalDiffusion:
-    return ClassConditionalDiffusion(dit_t4_config(depth=1, embed_dim=32, num_heads=2, input_size=8, in_channels=1,
+    return ClassConditionalDiffusion(dit_t4_config(depth=1, embed_dim=32, num_heads=2, input_size=8, in_chans=1,
                                                    num_classes=3), **kwargs)
 
 
@@ -245,3 +245,18 @@ def test_latent_cache_encodes_once_with_flips(tmp_path):
     assert x.shape == (4, 4, 8, 8) and x.dtype == torch.float32 and set(y.tolist()) <= {0, 1}
     with pytest.raises(SystemExit, match="local folder"):
         load_vae(str(tmp_path / "no_vae_here"))
+
+
+def test_checkpoints_written_with_dits_own_channel_name_still_load(tmp_path):
+    """``in_chans`` was ``in_channels`` (DiT's name) before the suite used timm's name everywhere."""
+    from moh_lightning.serialization import load_file
+
+    config = DiTConfig(**{**TINY, "in_chans": 3})
+    state = dict(config.__dict__)
+    state["in_channels"] = state.pop("in_chans")
+    old = DiTConfig.__new__(DiTConfig)
+    old.__dict__.update(state)
+    torch.save({"hyper_parameters": {"arch": old}}, tmp_path / "old.ckpt")
+    loaded = load_file(tmp_path / "old.ckpt")["hyper_parameters"]["arch"]
+    assert loaded.in_chans == 3 and "in_channels" not in vars(loaded)
+    assert DiT(loaded).x_embedder.proj.in_channels == 3

@@ -92,7 +92,7 @@ def _forward(task: MoHTask) -> torch.Tensor:
         return net(torch.randint(0, net.config.vocab_size, (2, 32)))
     if hasattr(net, "config"):  # DiT
         size = net.config.input_size
-        return net(torch.randn(2, net.config.in_channels, size, size), torch.tensor([3, 900]), torch.tensor([1, 2]))
+        return net(torch.randn(2, net.config.in_chans, size, size), torch.tensor([3, 900]), torch.tensor([1, 2]))
     return net(torch.randn(2, net.patch_embed.proj.in_channels, *net.patch_embed.img_size))
 
 

@@ -8,7 +8,7 @@ from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
-SHAPE = dict(input_size=8, patch_size=2, in_channels=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
+SHAPE = dict(input_size=8, patch_size=2, in_chans=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 
 
 def test_dense_dit_checkpoint_loads_with_fresh_routers(tmp_path):

@@ -9,7 +9,7 @@ from moh_lightning.models.dit import DiT, DiTConfig
 from moh_lightning.models.llama import RotaryEmbedding, apply_rope
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
-TINY_DIT = DiTConfig(input_size=8, patch_size=4, in_channels=4, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+TINY_DIT = DiTConfig(input_size=8, patch_size=4, in_chans=4, embed_dim=32, depth=1, num_heads=2, num_classes=3)
 
 
 def _adm_respacing(num_timesteps: int, steps: int) -> list[int]:

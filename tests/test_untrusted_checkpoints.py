@@ -124,7 +124,7 @@ def test_weight_loaders_refuse_it(run_dir, loader):
                                  pretrained=str(path)))
         elif loader == "dense_dit":
             from moh_lightning.tasks.diffusion import load_dense_dit_weights
-            load_dense_dit_weights(DiT(DiTConfig(input_size=8, patch_size=4, in_channels=1, num_classes=2,
+            load_dense_dit_weights(DiT(DiTConfig(input_size=8, patch_size=4, in_chans=1, num_classes=2,
                                                  embed_dim=32, depth=1, num_heads=2)), str(path))
         elif loader == "authors_dit":
             from moh_lightning.tools.authors_dit import read_state_dict

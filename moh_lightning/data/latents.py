@@ -172,7 +172,7 @@ class MNISTPixelDataModule(LightningDataModule):
     """
 
     num_classes = 10
-    in_channels = 1
+    in_chans = 1
 
     def __init__(self, batch_size: int = 128, val_fraction: float = 0.1, split_seed: int = 0, image_size: int = 32,
                  num_workers: int = 0) -> None:

@@ -112,7 +112,7 @@ class DiTConfig:
     Args:
         input_size: Height = width of the input (latent or pixel) grid.
         patch_size: Side of the square patches the grid is cut into.
-        in_channels: Channels of the input (4 for SD-VAE latents, 1 for grey pixels).
+        in_chans: Channels of the input (4 for SD-VAE latents, 1 for grey pixels); timm's name, as ViT's.
         embed_dim: Token width.
         depth: Number of blocks.
         num_heads: Heads per block, or one entry per block (the authors' L/XL MoH models grow heads with depth).
@@ -126,7 +126,7 @@ class DiTConfig:
 
     input_size: int = 32
     patch_size: int = 2
-    in_channels: int = 4
+    in_chans: int = 4
     embed_dim: int = 1152
     depth: int = 28
     num_heads: int | list[int] = 16
@@ -147,6 +147,12 @@ class DiTConfig:
     def activated_fraction(self) -> float:
         return activated_fraction(self.moh, self.num_heads, self.depth)
 
+    def __setstate__(self, state: dict) -> None:
+        # Checkpoints written before the rename hold DiT's own name for the input channels.
+        if "in_channels" in state:
+            state["in_chans"] = state.pop("in_channels")
+        self.__dict__.update(state)
+
 
 class DiT(nn.Module):
     """Class-conditional diffusion transformer: ``forward(x, t, y)`` predicts noise (and the variance interpolation).
@@ -157,8 +163,8 @@ class DiT(nn.Module):
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
         self.config = config
-        self.in_channels = config.in_channels
-        self.out_channels = config.in_channels * 2 if config.learn_sigma else config.in_channels
+        self.in_chans = config.in_chans
+        self.out_channels = config.in_chans * 2 if config.learn_sigma else config.in_chans
         self.learn_sigma = config.learn_sigma
         self.patch_size = config.patch_size
         self.num_classes = config.num_classes
@@ -166,7 +172,7 @@ class DiT(nn.Module):
         heads = [config.num_heads] * config.depth if isinstance(config.num_heads, int) else list(config.num_heads)
         layers = attention_layers(config.moh, heads, config.depth)
 
-        self.x_embedder = PatchEmbed(input_size, patch_size, config.in_channels, hidden_size, bias=True)
+        self.x_embedder = PatchEmbed(input_size, patch_size, config.in_chans, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(config.num_classes, hidden_size, config.class_dropout_prob)
         num_patches = self.x_embedder.num_patches
@@ -234,7 +240,7 @@ class DiT(nn.Module):
         null = torch.full_like(y, self.num_classes)
         out = self.forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
         cond, uncond = out.chunk(2)
-        guided = self.in_channels if channels is None else channels
+        guided = self.in_chans if channels is None else channels
         eps = uncond[:, :guided] + cfg_scale * (cond[:, :guided] - uncond[:, :guided])
         return torch.cat([eps, cond[:, guided:]], dim=1)
 

@@ -62,7 +62,7 @@ def load_dense_dit_weights(model: DiT, source: str) -> DiT:
     if wrong or missing or unexpected:
         raise ValueError(f"init_from_dense={source!r}: not a dense DiT of this config: {len(missing)} missing "
                          f"{missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}, other shapes {wrong[:2]}; "
-                         f"match depth, embed_dim, num_heads, patch_size, in_channels and num_classes to it.")
+                         f"match depth, embed_dim, num_heads, patch_size, in_chans and num_classes to it.")
     model.load_state_dict(state, strict=False)
     return model
 
@@ -125,9 +125,9 @@ class ClassConditionalDiffusion(MoHTask):
         self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
         if init_from_dense:
             load_dense_dit_weights(self.model, init_from_dense)
-        if cfg_channels is not None and not 1 <= cfg_channels <= self.model.in_channels:
+        if cfg_channels is not None and not 1 <= cfg_channels <= self.model.in_chans:
             raise ValueError(f"cfg_channels={cfg_channels} must be between 1 and the model's "
-                             f"{self.model.in_channels} channels, or null to guide all.")
+                             f"{self.model.in_chans} channels, or null to guide all.")
         self.noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                                              beta_start=beta_start, beta_end=beta_end, clip_sample=False)
         self.criterion = GaussianDiffusionLoss(self.noise_scheduler)
@@ -139,7 +139,7 @@ class ClassConditionalDiffusion(MoHTask):
 
     def example_input(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         config = self.model.config
-        x = torch.zeros(1, config.in_channels, config.input_size, config.input_size)
+        x = torch.zeros(1, config.in_chans, config.input_size, config.input_size)
         return x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
 
     def _diffusion_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,7 +211,7 @@ class ClassConditionalDiffusion(MoHTask):
         was_training = self.model.training
         self.model.eval()
         labels = labels.to(self.device)
-        size, channels = self.model.config.input_size, self.model.in_channels
+        size, channels = self.model.config.input_size, self.model.in_chans
         x = torch.randn(len(labels), channels, size, size, generator=generator, device="cpu").to(self.device)
         for t in tqdm(scheduler.timesteps, disable=not progress, desc="sampling", leave=False):
             t_batch = torch.full((len(labels),), int(t), device=self.device, dtype=torch.long)

@@ -546,14 +546,14 @@ def model_step_parts(name: str, batch: int, device: torch.device, seq_len: int |
     elif name.startswith("dit"):
         config = DiTConfig(**arch)
         model = DiT(config)
-        x = torch.randn(batch, config.in_channels, config.input_size, config.input_size, generator=generator)
+        x = torch.randn(batch, config.in_chans, config.input_size, config.input_size, generator=generator)
         t = torch.randint(0, 1000, (batch,), generator=generator)
         y = torch.randint(0, config.num_classes, (batch,), generator=generator)
         noise = torch.randn(x.shape, generator=generator).to(device)
         inputs = (x.to(device), t.to(device), y.to(device))
 
         def loss_fn(out):  # DiT's eps-MSE (the variance term is a few more elementwise operations)
-            return F.mse_loss(out[:, :config.in_channels], noise)
+            return F.mse_loss(out[:, :config.in_chans], noise)
     else:
         config = LlamaConfig(**arch)
         model = MoHLlama(config)
