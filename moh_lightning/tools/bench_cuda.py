@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -120,29 +121,46 @@ def _core_tables(clock, device, dtype, lengths, fractions, seeds, targets) -> li
                       "| N | MHA | half the heads | MoH | dense-and-mask | head-sparse |", "|---|---|---|---|---|---|"]
             for length in lengths:
                 batch = max(1, clock.tokens // length)
-
-                def tensors(heads: int):
-                    return [torch.randn(batch, heads, length, HEAD_DIM, device=device, dtype=dtype,
-                                        requires_grad=backward) for _ in range(3)]
-                full, half = tensors(HEADS), tensors(HEADS // 2)
-                mha = clock(_run(lambda: F.scaled_dot_product_attention(*full, is_causal=causal), backward))
-                halved = clock(_run(lambda: F.scaled_dot_product_attention(*half, is_causal=causal), backward))
+                full, half = (_qkv(batch, heads, length, length, device, dtype, backward)
+                              for heads in (HEADS, HEADS // 2))
+                mha = clock(_run(partial(F.scaled_dot_product_attention, *full, is_causal=causal), backward))
+                halved = clock(_run(partial(F.scaled_dot_product_attention, *half, is_causal=causal), backward))
                 for name, top_k in fractions.items():
-                    cells = {}
-                    for head_sparse in (False, True):
-                        times = []
-                        for seed in seeds:
-                            gates = _gates(batch, length, top_k, device, dtype, seed).requires_grad_(backward)
-                            times.append(clock(_run(lambda: attend(
-                                *full, gates, head_sparse=head_sparse, num_shared_heads=SHARED,
-                                active_heads=SHARED + top_k, causal=causal), backward)))
-                        cells[head_sparse] = times
+                    cells = {head_sparse: [clock(_run(partial(
+                        attend, *full, _gates(batch, length, top_k, device, dtype, seed).requires_grad_(backward),
+                        head_sparse=head_sparse, num_shared_heads=SHARED, active_heads=SHARED + top_k, causal=causal),
+                        backward)) for seed in seeds] for head_sparse in (False, True)}
                     lines.append(f"| {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
                                  f"{_speedup_cell(mha, cells[False])} | {_speedup_cell(mha, cells[True])} |")
                     if causal:
                         _target(targets, what, length, name, mha, cells[True])
             lines.append("")
     return lines
+
+
+def _qkv(batch: int, heads: int, queries: int, keys: int, device, dtype, requires_grad: bool = False) -> list:
+    shapes = ((batch, heads, queries, HEAD_DIM), *(2 * ((batch, heads, keys, HEAD_DIM),)))
+    return [torch.randn(shape, device=device, dtype=dtype, requires_grad=requires_grad) for shape in shapes]
+
+
+def _layer_step(layer: MoHAttention, x: torch.Tensor) -> Callable[[], None]:
+    """Forward, loss + 0.01 x the load-balance loss, backward."""
+    def run() -> None:
+        out = layer(x).float().square().mean()
+        balance = pop_load_balance_loss(layer)
+        (out if balance is None else out + 0.01 * balance).backward()
+    return run
+
+
+def _decode_step(layer: MoHAttention, x: torch.Tensor, cached: int) -> Callable[[], None]:
+    """One token ``x`` (B, 1, C) decoded after ``cached`` positions of a KV cache."""
+    cache = KVCache(x.shape[0], layer.num_kv_heads, cached + 1, layer.head_dim, device=x.device, dtype=x.dtype)
+
+    def run() -> None:
+        cache.length = cached
+        with torch.no_grad():
+            layer(x, kv_cache=cache)
+    return run
 
 
 def _layer(causal: bool, top_k: int | None, execution: str, device, dtype, num_heads: int = HEADS,
@@ -164,18 +182,11 @@ def _layer_table(clock, device, dtype, lengths, fractions, seeds, targets, wins)
         for length in lengths:
             batch = max(1, clock.tokens // length)
             x = torch.randn(batch, length, HEADS * HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
-
-            def step(layer: MoHAttention) -> Callable[[], None]:
-                def run() -> None:
-                    out = layer(x).float().square().mean()
-                    balance = pop_load_balance_loss(layer)
-                    (out if balance is None else out + 0.01 * balance).backward()
-                return run
-            mha = clock(step(_layer(causal, None, "masked", device, dtype)))
-            halved = clock(step(_layer(causal, None, "masked", device, dtype, num_heads=HEADS // 2)))
+            mha = clock(_layer_step(_layer(causal, None, "masked", device, dtype), x))
+            halved = clock(_layer_step(_layer(causal, None, "masked", device, dtype, num_heads=HEADS // 2), x))
             for name, top_k in fractions.items():
-                cells = {label: [clock(step(_layer(causal, top_k, label, device, dtype, seed=seed))) for seed in seeds]
-                         for label in ("masked", "sparse")}
+                cells = {label: [clock(_layer_step(_layer(causal, top_k, label, device, dtype, seed=seed), x))
+                                 for seed in seeds] for label in ("masked", "sparse")}
                 lines.append(f"| {kind} | {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
                              f"{_speedup_cell(mha, cells['masked'])} | {_speedup_cell(mha, cells['sparse'])} |")
                 _target(targets, "layer forward + backward", length, name, mha, cells["sparse"])
@@ -192,32 +203,20 @@ def _decode_table(clock, device, dtype, caches, fractions, seeds, targets, wins)
              "dense-and-mask | head-sparse |", "|---|---|---|---|---|---|---|---|---|"]
     batch = 8
     for length in caches:
-        def qkv(heads: int):
-            q = torch.randn(batch, heads, 1, HEAD_DIM, device=device, dtype=dtype)
-            return q, *(torch.randn(batch, heads, length, HEAD_DIM, device=device, dtype=dtype) for _ in range(2))
-        full, half = qkv(HEADS), qkv(HEADS // 2)
-        mha = clock(_run(lambda: F.scaled_dot_product_attention(*full), False))
-        halved = clock(_run(lambda: F.scaled_dot_product_attention(*half), False))
+        full, half = (_qkv(batch, heads, 1, length, device, dtype) for heads in (HEADS, HEADS // 2))
+        mha = clock(_run(partial(F.scaled_dot_product_attention, *full), False))
+        halved = clock(_run(partial(F.scaled_dot_product_attention, *half), False))
         x = torch.randn(batch, 1, HEADS * HEAD_DIM, device=device, dtype=dtype)
-
-        def decode_step(layer: MoHAttention) -> Callable[[], None]:
-            cache = KVCache(batch, HEADS, length + 1, HEAD_DIM, device=device, dtype=dtype)
-            cache.length = length
-
-            def run() -> None:
-                cache.length = length
-                with torch.no_grad():
-                    layer(x, kv_cache=cache)
-            return run
-        layer_mha = clock(decode_step(_layer(True, None, "masked", device, dtype).eval()))
+        layer_mha = clock(_decode_step(_layer(True, None, "masked", device, dtype).eval(), x, length))
         for name, top_k in fractions.items():
             core, layer_times = {}, {}
             for head_sparse in (False, True):
-                core[head_sparse] = [clock(_run(lambda g=_gates(batch, 1, top_k, device, dtype, seed): attend(
-                    *full, g, head_sparse=head_sparse, num_shared_heads=SHARED, active_heads=SHARED + top_k,
-                    causal=True, offset=length - 1), False)) for seed in seeds]
+                core[head_sparse] = [clock(_run(partial(
+                    attend, *full, _gates(batch, 1, top_k, device, dtype, seed), head_sparse=head_sparse,
+                    num_shared_heads=SHARED, active_heads=SHARED + top_k, causal=True, offset=length - 1), False))
+                    for seed in seeds]
                 layer = _layer(True, top_k, "sparse" if head_sparse else "masked", device, dtype).eval()
-                layer_times[head_sparse] = [clock(decode_step(layer))]
+                layer_times[head_sparse] = [clock(_decode_step(layer, x, length))]
             lines.append(f"| {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
                          f"{_speedup_cell(mha, core[False])} | {_speedup_cell(mha, core[True])} | "
                          f"{layer_mha * 1e3:.3f} ms | {_speedup_cell(layer_mha, layer_times[False])} | "
