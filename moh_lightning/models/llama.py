@@ -174,7 +174,8 @@ class MoHLlama(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k_tokens: int | None = None, top_p: float = 1.0, eos_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+                 top_k_tokens: int | None = None, top_p: float = 1.0, eos_id: int | None = None,
+                 seed: int | None = None) -> torch.Tensor:
         """Continues ``idx`` (B, T) by sampling, one token per forward through the KV cache.
 
         The router runs on every decoded token, so each new token picks its own heads. ``temperature=0``

@@ -85,7 +85,8 @@ class MoHLM(HFLM):
             while start < len(row) - 1 and row[start] == pad:
                 start += 1
             out = self.net.generate(row[None, start:], max_length - context.shape[1], temperature=temperature,
-                                    top_k_tokens=generation_kwargs.get("top_k"), top_p=generation_kwargs.get("top_p", 1.0),
+                                    top_k_tokens=generation_kwargs.get("top_k"),
+                                    top_p=generation_kwargs.get("top_p", 1.0),
                                     eos_id=self.tokenizer.eos_token_id, seed=0)
             rows.append(torch.cat([row[:start], out[0]]))
         width = max(len(r) for r in rows)
