@@ -185,9 +185,9 @@ def test_sources_train_py_checkpoint_and_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename: str(tmp_path / "0400000.pt"))
     assert read_state_dict("someone/moh-dit").keys() == state.keys()
     assert read_state_dict("someone/two/a.pt").keys() == state.keys()
-    with pytest.raises(ValueError, match="holds 2 weight files"):
+    with pytest.raises(FileNotFoundError, match="holds 2 weight files"):
         read_state_dict("someone/two")
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(FileNotFoundError, match="no such weights file"):
         read_state_dict(str(tmp_path / "absent.pt"))
 
 

@@ -9,7 +9,6 @@ loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -20,8 +19,8 @@ from tqdm.auto import tqdm
 
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.models.dit import DiT, DiTConfig
-from moh_lightning.serialization import read_weights_file
 from moh_lightning.tasks.base import MoHTask
+from moh_lightning.weights import check_fit, read_state_dict
 
 Sampler = Literal["ddpm", "ddim"]
 BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
@@ -37,32 +36,17 @@ def load_dense_dit_weights(model: DiT, source: str) -> DiT:
     """
     from moh_lightning.models.dit import sincos_pos_embed_2d
 
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"model.init_args.init_from_dense={source!r}: no such file; download the dense DiT "
-                                f"checkpoint (e.g. DiT-XL-2-256x256.pt of facebookresearch/DiT) and give its path.")
-    raw = read_weights_file(path)
-    for key in ("ema", "state_dict", "model"):
-        if isinstance(raw, dict) and isinstance(raw.get(key), dict):
-            raw = raw[key]
-            break
-    state = {name.removeprefix("module."): value for name, value in raw.items()}
+    key = "model.init_args.init_from_dense"
+    state = read_state_dict(source, key)
     config = model.config
     if "pos_embed" in state:
         expected = sincos_pos_embed_2d(config.embed_dim, config.input_size // config.patch_size).unsqueeze(0)
         value = state.pop("pos_embed")
         if value.shape != expected.shape or (value.float() - expected).abs().max().item() > 1e-5:
-            raise ValueError(f"init_from_dense={source!r}: its pos_embed {tuple(value.shape)} is not DiT's sin-cos "
+            raise ValueError(f"{key}={source!r}: its pos_embed {tuple(value.shape)} is not DiT's sin-cos "
                              f"table for this config {tuple(expected.shape)}; check input_size, patch_size, embed_dim.")
-    own = model.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
-             if k in own and v.shape != own[k].shape]
-    missing = [k for k in own if k not in state and ".router." not in k]
-    unexpected = [k for k in state if k not in own]
-    if wrong or missing or unexpected:
-        raise ValueError(f"init_from_dense={source!r}: not a dense DiT of this config: {len(missing)} missing "
-                         f"{missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}, other shapes {wrong[:2]}; "
-                         f"match depth, embed_dim, num_heads, patch_size, in_chans and num_classes to it.")
+    check_fit(model, state, f"{key}={source!r}", "it is not a dense DiT of this config: match depth, embed_dim, "
+              "num_heads, patch_size, in_chans and num_classes to it.", fresh=lambda name: ".router." in name)
     model.load_state_dict(state, strict=False)
     return model
 

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from moh_lightning import weights
 from moh_lightning.configs import load_config
 from moh_lightning.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
-from moh_lightning.serialization import read_weights_file
 from moh_lightning.tasks.checkpoints import one_line_errors, write_checkpoint
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
@@ -48,49 +48,12 @@ AUTHORS_DIT = {"MoH-DiT-XL/2-90": {"hub": "Chat-UniVi/MoH-DiT-XL-90", "experimen
 ROUTER_NAMES = {"wg": "routed_router", "wg_0": "type_router", "wg_1": "shared_router"}
 #: Sampling as their FID evaluation (``sample_ddp.py``): 250 DDPM steps, guidance 1.5 on 3 of the 4 latent channels.
 AUTHORS_SAMPLING = {"sampler": "ddpm", "sample_steps": 250, "cfg_scale": 1.5, "cfg_channels": 3}
-WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
 def read_state_dict(source: str) -> dict[str, torch.Tensor]:
-    """The weights of a local file or a hub file: a plain state dict, or their ``train.py`` checkpoint's EMA weights.
-
-    ``source`` is a path, a hub repo id holding one weight file (``Chat-UniVi/MoH-DiT-XL-90``) or a repo id and the
-    file in it (``owner/name/file.pt``). ``train.py`` checkpoints hold ``model``, ``ema``, ``opt`` and ``args``; the EMA
-    weights are the ones their sampling loads (``download.find_model``), and so here.
-    """
-    path = Path(source).expanduser()
-    if not path.is_file():
-        if path.exists() or "/" not in source or source.startswith((".", "/", "~")):
-            raise FileNotFoundError(f"--source {source}: no such file; give a weight file "
-                                    f"({', '.join(WEIGHT_SUFFIXES)}) or a hub repo id.")
-        path = _hub_file(source)
-    raw = read_weights_file(path)
-    for key in ("ema", "state_dict", "model"):
-        if isinstance(raw, dict) and isinstance(raw.get(key), dict):
-            raw = raw[key]
-            break
-    return {name.removeprefix("module."): value for name, value in raw.items()}
-
-
-def _hub_file(source: str) -> Path:
-    """A weight file of a hub repo, downloaded (or from the cache): the one named, or the only one there is."""
-    from huggingface_hub import hf_hub_download, list_repo_files
-    from huggingface_hub.errors import EntryNotFoundError
-
-    parts = source.split("/")
-    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
-    try:
-        if not filename:
-            weights = [name for name in list_repo_files(repo_id) if name.endswith(WEIGHT_SUFFIXES)]
-            if len(weights) != 1:
-                raise ValueError(f"--source {source}: the hub repo holds {len(weights)} weight files ({weights}); "
-                                 f"name one as {repo_id}/<file>.")
-            filename = weights[0]
-        return Path(hf_hub_download(repo_id, filename))
-    except (OSError, EntryNotFoundError) as error:  # huggingface_hub's HTTP and offline errors are OSErrors
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise OSError(f"--source {source}: cannot fetch it from the hub ({reason}); download the file and give its "
-                      f"path.") from None
+    """The weights of a local file or a hub file (``weights.read_state_dict``): a plain state dict, or their
+    ``train.py`` checkpoint's EMA weights, the ones their sampling loads (``download.find_model``)."""
+    return weights.read_state_dict(source, "--source")
 
 
 def authors_to_dit_state_dict(state: dict[str, torch.Tensor], config: DiTConfig) -> dict[str, torch.Tensor]:
