@@ -16,7 +16,8 @@ from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.layers.moh_attention import checkpoint_blocks
 
 # Layers whose weight matrices take weight decay; norms, biases, position embeddings and class tokens do not.
-DECAYED_LAYERS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
+DECAYED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                  nn.ConvTranspose3d)
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -64,6 +65,7 @@ class MoHTask(LightningModule):
         self.compile_model = compile
         self.activation_checkpointing = activation_checkpointing
         self.model: torch.nn.Module | None = None
+        self._model_compiled = False
 
     def configure_model(self) -> None:
         """Activation checkpointing and ``torch.compile`` of ``self.model``, each applied once.
@@ -76,9 +78,9 @@ class MoHTask(LightningModule):
             return
         if self.activation_checkpointing:
             checkpoint_blocks(self.model)
-        if self.compile_model and self._trainer is not None \
-                and getattr(self.model, "_compiled_call_impl", None) is None:
+        if self.compile_model and self._trainer is not None and not self._model_compiled:
             self.model.compile(**self.compile_kwargs)
+            self._model_compiled = True
 
     @property
     def example_input_array(self) -> torch.Tensor | tuple | None:
