@@ -121,8 +121,10 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @functools.cache
 def _compiled_flex() -> FlexKernel:
-    """FlexAttention compiled (its fused kernels; eager FlexAttention materialises every score)."""
-    return torch.compile(flex_attention, dynamic=False)
+    """FlexAttention compiled (its fused kernels; eager FlexAttention materialises every score). Shapes are left to
+    torch.compile's automatic dynamism: a decoding cache grows by one key per token, which would recompile a static
+    graph at every step."""
+    return torch.compile(flex_attention)
 
 
 def _varlen_kernel() -> VarlenKernel:
