@@ -2,12 +2,13 @@
 
 Import from here rather than from the files: one concept per file, and which file a name lives in may change.
 """
-from moh_lightning.layers.budgets import check_head_budget, layerwise
+from moh_lightning.layers.budgets import check_head_budget
 from moh_lightning.layers.execution import ExecutionMode
 from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.moh_attention import (
     MoHAttention,
     activated_head_fraction,
+    layerwise,
     moh_layers,
     pop_load_balance_loss,
 )
