@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
 from moh_lightning.layers.head_sparse_cuda import head_sparse_attention_cuda, use_head_sparse_cuda
@@ -41,6 +42,9 @@ def runs_head_sparse(execution: ExecutionMode, device_type: str, num_queries: in
     return active_fraction < 1.0 and use_head_sparse_cuda(num_queries, num_keys, active_fraction, decoding, causal)
 
 
+# A leaf of an FX trace: its branches follow the masks and the causal flag, which a trace holds as proxies (timm's ViT
+# passes its attn_mask and is_causal arguments to every block), so the graph calls it and it branches at run time.
+@register_notrace_function
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None, *, head_sparse: bool,
            num_shared_heads: int = 0, active_heads: int | None = None, causal: bool = False, offset: int = 0,
            padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,

@@ -49,7 +49,9 @@ class MoHAttention(nn.Module):
 
     The other arguments are timm's ``Attention`` arguments with the same meaning. After a forward,
     ``last_gates`` holds that forward's gates (B, N, h), detached, zero where a head was not selected, and in
-    training ``load_balance_loss`` the layer's Eq. 7 loss (read it with ``pop_load_balance_loss``).
+    training ``load_balance_loss`` the layer's Eq. 7 loss (read it with ``pop_load_balance_loss``). A graph traced with
+    FX (timm's ``feature_cls='fx'``, ``create_feature_extractor``) runs the routers as leaves and computes every head
+    and masks; it sets neither attribute, so training through it has no load-balance loss.
     """
 
     def __init__(
@@ -151,6 +153,9 @@ class MoHAttention(nn.Module):
         them (causal decoding with a cache). ``attn_mask`` and ``is_causal`` are timm's arguments.
         """
         batch, length, _ = x.shape
+        # Under an FX trace the tensors are proxies of one static graph: no layer state may keep them, and the graph
+        # computes every head and masks (head-sparse packing follows the gates' values, which a trace does not have).
+        traced = isinstance(x, torch.fx.Proxy)
         if padding_mask is not None and kv_cache is not None:
             raise ValueError("padding_mask with kv_cache is not supported: decode unpadded sequences.")
         qkv = self.qkv(x).reshape(batch, length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -163,8 +168,9 @@ class MoHAttention(nn.Module):
             gates = routing.gates
             if padding_mask is not None:
                 gates = gates * padding_mask[..., None].to(gates.dtype)
-            self.last_gates = gates.detach()
-            self.load_balance_loss = routing.load_balance_loss
+            if not traced:
+                self.last_gates = gates.detach()
+                self.load_balance_loss = routing.load_balance_loss
 
         if position_embedding is not None:
             q, k = position_embedding(q, k)
@@ -174,7 +180,8 @@ class MoHAttention(nn.Module):
             k, v = kv_cache.update(k, v)
 
         causal = self.causal or is_causal
-        head_sparse = gates is not None and self._head_sparse(gates, length, k.shape[2], kv_cache is not None, causal)
+        head_sparse = gates is not None and not traced and self._head_sparse(gates, length, k.shape[2],
+                                                                             kv_cache is not None, causal)
         out = attend(q, k, v, gates, head_sparse=head_sparse, num_shared_heads=self.num_shared_heads,
                      active_heads=self.active_heads, causal=causal, offset=offset, padding_mask=padding_mask,
                      attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0)   # (B, N, h, d)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from timm.layers import register_notrace_module
 from torch import nn
 
 RouterType = Literal["learned", "query_norm"]
@@ -174,6 +175,9 @@ def _group_scales(alpha: torch.Tensor | None, shared_heads: int, top_k: int):
     return alpha[:1] * (2.0 * shared_heads), alpha[1:] * (2.0 * top_k)
 
 
+# Both routers are leaves of an FX trace (timm's feature extraction): their gates come out of custom autograd functions
+# (the fused router's hand-written backward, the straight-through one), which a symbolic trace cannot record.
+@register_notrace_module
 class MoHRouter(nn.Module):
     """Two-stage MoH router (paper Eq. 5-6) with the authors' gate scaling.
 
@@ -229,6 +233,7 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+@register_notrace_module
 class QueryNormRouter(nn.Module):
     """Parameter-free router for continue-tuning a pretrained model into MoH (paper section 4.4).
 
