@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, trunc_normal_
+from timm.layers import DropPath, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, register_model
+from timm.models._features import feature_take_indices
 from timm.models._registry import generate_default_cfgs
 from torch import nn
 
@@ -196,6 +197,16 @@ class ContinuousPositionBias(nn.Module):
         return bias.t()[:, index]
 
 
+@register_notrace_function  # under an FX trace the sizes are proxies: the check runs when the graph does
+def check_token_grid(x: torch.Tensor, height: int, width: int, grid: int) -> torch.Tensor:
+    """``x`` itself, once its ``height`` x ``width`` grid is the ``grid`` the layer was built for: a traced graph keeps
+    a check whose output it uses."""
+    if height != grid or width != grid:
+        raise ValueError(f"a {height}x{width} token grid reached an attention layer built for {grid}x{grid}: "
+                         f"TransNeXt runs at the img_size it was built for.")
+    return x
+
+
 class TransNeXtAttention(MoHAttention):
     """TransNeXt's full attention (its last stage) as a ``MoHAttention``: routed heads, TransNeXt's similarity.
 
@@ -223,8 +234,9 @@ class TransNeXtAttention(MoHAttention):
         if self.router is None:
             return None
         routing = self.router(x, q=q)
-        self.last_gates = routing.gates.detach()
-        self.load_balance_loss = routing.load_balance_loss
+        if not isinstance(x, torch.fx.Proxy):  # an FX trace's proxies must not outlive it (see MoHAttention)
+            self.last_gates = routing.gates.detach()
+            self.load_balance_loss = routing.load_balance_loss
         return routing.gates
 
     def _scaled_queries(self, q_unit: torch.Tensor) -> torch.Tensor:
@@ -239,15 +251,10 @@ class TransNeXtAttention(MoHAttention):
             out = out * gates[..., None].to(out.dtype)
         return self.proj_drop(self.proj(out.reshape(batch, length, self.attn_dim)))
 
-    def _check_grid(self, height: int, width: int) -> None:
-        if height != self.grid or width != self.grid:
-            raise ValueError(f"a {height}x{width} token grid reached an attention layer built for {self.grid}x"
-                             f"{self.grid}: TransNeXt runs at the img_size it was built for.")
-
     def forward(self, x: torch.Tensor, height: int, width: int, position: tuple[torch.Tensor, torch.Tensor]
                 ) -> torch.Tensor:
         """Tokens (B, N, C) of a ``height`` x ``width`` grid; ``position`` = (index, table) of the stage."""
-        self._check_grid(height, width)
+        x = check_token_grid(x, height, width, self.grid)
         batch, length, _ = x.shape
         q, k, v = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         gates = self._route(x, q)                                                    # q, k, v: (B, h, N, d)
@@ -322,7 +329,7 @@ class AggregatedAttention(TransNeXtAttention):
 
     def forward(self, x: torch.Tensor, height: int, width: int, position: tuple[torch.Tensor, torch.Tensor]
                 ) -> torch.Tensor:
-        self._check_grid(height, width)
+        x = check_token_grid(x, height, width, self.grid)
         batch, length, _ = x.shape
         q, k, v = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         gates = self._route(x, q)
@@ -437,8 +444,9 @@ class TransNeXt(nn.Module):
     """TransNeXt classifier with MoH (or dense) attention in every block, built from a ``TransNeXtConfig``.
 
     ``forward_features`` returns the last stage's (B, C, H, W) map, ``forward_head`` pools it and classifies, as in
-    timm. The blocks' attention layers are ``MoHAttention`` subclasses, so ``moh_layers(model)`` lists the routed
-    ones in stage and block order.
+    timm; ``feature_info`` and ``forward_intermediates`` give the four stages' maps to a detection or segmentation
+    neck (``timm.create_model(..., features_only=True)``). The blocks' attention layers are ``MoHAttention``
+    subclasses, so ``moh_layers(model)`` lists the routed ones in stage and block order.
     """
 
     def __init__(self, arch: TransNeXtConfig) -> None:
@@ -477,6 +485,8 @@ class TransNeXt(nn.Module):
             position = relative_position_table(grids[i], key_grid, pretrain_grids[i])
             stages.append(TransNeXtStage(downsample, blocks, dims[i], grids[i], position))
         self.stages = nn.ModuleList(stages)
+        self.feature_info = [{"num_chs": dims[i], "reduction": arch.patch_size * 2 ** i, "module": f"stages.{i}"}
+                             for i in range(NUM_STAGES)]
         self.head = nn.Linear(dims[-1], arch.num_classes) if arch.num_classes > 0 else nn.Identity()
         self.init_weights()
 
@@ -510,6 +520,46 @@ class TransNeXt(nn.Module):
         if global_pool is not None:
             self.global_pool = global_pool
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: int | list[int] | None = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The (B, C_i, H_i, W_i) maps of the stages in ``indices`` (the last n for an int, all for None), and unless
+        ``intermediates_only`` the last stage's map first, as timm's hierarchical models return them.
+
+        Every stage ends with its own LayerNorm, so the maps are normalised whatever ``norm`` says. ``stop_early`` runs
+        no stage past the last one asked for.
+        """
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt={output_fmt!r}: TransNeXt's stages give NCHW maps.")
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        stages = self.stages[:max_index + 1] if stop_early else self.stages
+        intermediates = []
+        x = self.patch_embed(x)
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in take_indices:
+                intermediates.append(x)
+        return intermediates if intermediates_only else (x, intermediates)
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """Drops the stages after the last of ``indices`` (and the head, unless ``prune_head`` is False and no stage
+        was dropped); returns the absolute indices. The stages' norms stay: each belongs to its stage's output."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        pruned_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[:max_index + 1]
+        if pruned_end:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+        if prune_head or pruned_end:
+            self.reset_classifier(0, "")
+        return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)                                                      # (B, C0, H0, W0)
@@ -732,7 +782,10 @@ def _create(name: str, pretrained: bool = False, **kwargs: Any) -> TransNeXt:
     def build(**fields: Any) -> TransNeXt:
         return TransNeXt(transnext_config(name, **fields))
 
-    return build_model_with_cfg(build, name, pretrained, pretrained_filter_fn=_filter_state_dict, **kwargs)
+    # features_only takes the four stages' maps through forward_intermediates, the stages after the last one dropped.
+    out_indices = kwargs.pop("out_indices", tuple(range(NUM_STAGES)))
+    return build_model_with_cfg(build, name, pretrained, pretrained_filter_fn=_filter_state_dict,
+                                feature_cfg={"out_indices": out_indices, "feature_cls": "getter"}, **kwargs)
 
 
 @register_model

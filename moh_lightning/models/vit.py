@@ -167,7 +167,10 @@ def _create(name: str, pretrained: bool = False, **kwargs: Any) -> VisionTransfo
     def build(**fields: Any) -> VisionTransformer:
         return create_vit(named_vit_config(name, **fields))
 
-    return build_model_with_cfg(build, name, pretrained, **kwargs)
+    # As timm's own ViTs: features_only reads blocks through forward_intermediates, by default the last three.
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(build, name, pretrained,
+                                feature_cfg={"out_indices": out_indices, "feature_cls": "getter"}, **kwargs)
 
 
 @register_model
