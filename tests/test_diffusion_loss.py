@@ -63,8 +63,7 @@ def test_terms_are_per_sample_means_whatever_the_image_size(golden):
     """The golden inputs tiled 2 x 2 (8 x 8 images of 2 channels) give DiT's per-sample terms: the variance output is
     told apart by its channels alone; an eps-only output (no variance channels) has no bound term."""
     criterion = _task("linear").criterion
-    tile = lambda x: x.repeat(1, 1, 2, 2)  # noqa: E731
-    x0, x_t, noise, output = (tile(golden[k]) for k in ("x0", "linear.x_t", "noise", "model_output"))
+    x0, x_t, noise, output = (golden[k].repeat(1, 1, 2, 2) for k in ("x0", "linear.x_t", "noise", "model_output"))
     terms = criterion(output, x0, x_t, golden["t"], noise)
     for key in ("mse", "vb", "loss"):
         torch.testing.assert_close(terms[key], golden[f"linear.{key}"], rtol=2e-5, atol=1e-6, msg=key)

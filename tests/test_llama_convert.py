@@ -144,3 +144,30 @@ def test_conversion_errors_are_clear(tmp_path):
     unknown.config.moh.router = "no_such_router"
     with pytest.raises(ValueError, match="router='no_such_router'.*'learned' and 'query_norm'"):
         export_hf(unknown, tmp_path / "x")
+
+
+def test_from_hf_takes_the_asked_budget_dense_choice_and_dtype(llama_folder):
+    model = from_hf(str(llama_folder), num_shared_heads=2, top_k=3, dtype=torch.bfloat16)
+    assert (model.config.moh.num_shared_heads, model.config.moh.top_k) == (2, 3)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    dense = from_hf(str(llama_folder), dense=True)
+    assert dense.config.moh is None and activated_head_fraction(dense) == 1.0
+    assert {p.dtype for p in dense.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("moh", [True, False], ids=["moh", "dense"])
+def test_exported_folder_keeps_every_size_and_says_how_to_load_it(tmp_path, moh):
+    """A head width other than width / heads and the context length reach config.json; the model card's hub header
+    marks remote code for MoH (its snippets pass trust_remote_code=True) and not for a plain LLaMA."""
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, head_dim=12, max_position_embeddings=48,
+                         tie_word_embeddings=False)
+    model = MoHLlama(llm_config_from_hf(config, num_shared_heads=2, top_k=1, dense=not moh))
+    folder = export_hf(model, tmp_path / "out")
+    written = json.loads((folder / "config.json").read_text())
+    assert (written["head_dim"], written["max_position_embeddings"]) == (12, 48)
+    card = (folder / "README.md").read_text().splitlines()
+    header = card[:card.index("---", 1) + 1]
+    assert header[:5] == ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- moh"]
+    assert ("- custom_code" in header) == moh
+    assert any("trust_remote_code=True" in line for line in card) == moh

@@ -254,3 +254,40 @@ def test_the_old_execution_name_dense_means_masked_for_one_release():
         assert MoHConfig(execution="dense").execution == "masked"
     with pytest.warns(FutureWarning, match="now called 'masked'"):
         assert MoHAttention(32, 4, num_shared_heads=1, top_k=2, execution="dense").execution == "masked"
+
+
+@pytest.mark.parametrize("router", ["learned", "query_norm"])
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_load_balance_loss_only_in_training_when_some_routed_head_is_skipped(router, top_k):
+    """Each router gives the loss in training with k < E (here E = 4) and nothing to pop otherwise."""
+    layer = make(num_shared_heads=2, top_k=top_k, router=router)
+    x = torch.randn(2, 5, DIM)
+    for training in (True, False):
+        layer.train(training)(x)
+        loss = pop_load_balance_loss(layer)
+        assert (loss is not None) == (training and top_k < 4), (training, loss)
+        if loss is not None:
+            assert torch.isfinite(loss) and loss > 0
+
+
+def test_query_norm_router_does_not_count_padding_in_the_load_balance_loss():
+    layer = make(num_shared_heads=2, top_k=2, router="query_norm").train()
+    x = torch.randn(1, 6, DIM)
+    layer(torch.cat([x, torch.randn(1, 3, DIM)], dim=1), padding_mask=torch.tensor([[True] * 6 + [False] * 3]))
+    padded = layer.load_balance_loss
+    layer(x)
+    torch.testing.assert_close(padded, layer.load_balance_loss)
+
+
+def test_frozen_router_still_passes_its_gradient_to_the_tokens():
+    """Freezing the routers (fine-tuning everything else) keeps the routing's share of the input gradient."""
+    layer = make(num_shared_heads=2, top_k=2).train()
+    router = layer.router
+    router.requires_grad_(False)
+    x = torch.randn(2, 7, DIM)
+    weight = torch.randn(2, 7, HEADS)
+    grads = []
+    for compute in (lambda t: router(t).gates, lambda t: _three_linear_router(router, t)[0]):
+        inputs = x.clone().requires_grad_()
+        grads.append(torch.autograd.grad((compute(inputs) * weight).sum(), inputs)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)

@@ -14,8 +14,9 @@ MoH enters both token mixers the same way it enters every model of the suite: th
 similarity in place of the dot product. Each head's output is multiplied by its gate before the output projection,
 so ``moh_layers``, the load-balance loss and the head-load dashboards see TransNeXt's layers unchanged. Head budgets
 are given per stage (the authors' ``shared_head`` / ``routed_head`` lists are ``num_shared_heads`` / ``top_k``) or per
-block. The named models (``moh_transnext_small_75`` ...) are registered with timm, so ``timm.create_model`` builds
-them once this module is imported.
+block. The named models (``moh_transnext_small_75`` ...) are registered with timm on ``import moh_lightning``, with
+timm's backbone interface (``features_only``, ``forward_intermediates``, FX feature extraction, ``torch.export``). They
+are not TorchScript: their attention is ``MoHAttention``'s (see ``tests/test_timm_contract.py``).
 """
 from __future__ import annotations
 

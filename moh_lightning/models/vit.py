@@ -2,7 +2,10 @@
 
 Nothing of ViT is re-implemented here: the config says which heads each layer shares and routes, and timm
 builds the model. The named models (the paper's budgets on ViT-S/B) are the shipped configs in ``cli_configs/``, and
-are registered with timm (``timm.create_model("moh_vit_small_patch16_224_75")``) once this module is imported.
+are registered with timm on ``import moh_lightning`` (``timm.create_model("moh_vit_small_patch16_224_75")``) with
+timm's ViT interface: ``features_only``, ``forward_intermediates``, FX feature extraction and ``torch.export``. Unlike
+timm's own ViTs they are not TorchScript: ``MoHAttention`` is not (its router's gates come out of a custom autograd
+function, and its forward takes a callable and a KV cache object).
 """
 from __future__ import annotations
 
