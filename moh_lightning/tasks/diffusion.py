@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 from diffusers.training_utils import compute_snr
@@ -210,4 +211,12 @@ class ClassConditionalDiffusion(MoHTask):
         return x
 
 
-__all__ = ["ClassConditionalDiffusion"]
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """Samples (B, C, H, W) in [-1, 1] -> (B, H, W, 3) uint8, grey repeated to RGB (the layout of ADM's .npz files)."""
+    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    if images.shape[1] == 1:
+        images = images.repeat(1, 3, 1, 1)
+    return images.permute(0, 2, 3, 1).numpy()
+
+
+__all__ = ["ClassConditionalDiffusion", "to_uint8"]

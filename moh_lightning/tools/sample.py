@@ -10,15 +10,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from moh_lightning.tasks.checkpoints import read_checkpoint
-from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, Sampler
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, C, H, W) in [-1, 1] -> (B, H, W, 3) uint8, grey repeated to RGB (the layout of ADM's .npz files)."""
-    images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
-    if images.shape[1] == 1:
-        images = images.repeat(1, 3, 1, 1)
-    return images.permute(0, 2, 3, 1).numpy()
+from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, Sampler, to_uint8
 
 
 def sample(
@@ -111,4 +103,4 @@ def save_class_grid(images: np.ndarray, labels: np.ndarray, path: Path, per_clas
     Image.fromarray(np.concatenate(rows, axis=0)).save(path)
 
 
-__all__ = ["sample", "save_class_grid", "to_uint8"]
+__all__ = ["sample", "save_class_grid"]
