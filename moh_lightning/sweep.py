@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from moh_lightning.cli import main
 from moh_lightning.configs import resolve_config
-from moh_lightning.tools.sweep_report import (
+from moh_lightning.sweep_report import (
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_UNFINISHED,

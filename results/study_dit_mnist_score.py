@@ -19,9 +19,9 @@ import yaml
 
 from moh_lightning.configs import resolve_config
 from moh_lightning.sweep import DONE_FILE, grid_cells, trial_names
+from moh_lightning.sweep_report import STATUS_FINISHED, STATUS_UNFINISHED, TrialResult, write_report
 from moh_lightning.tools.digit_quality import digit_quality
 from moh_lightning.tools.sample import sample
-from moh_lightning.tools.sweep_report import STATUS_FINISHED, STATUS_UNFINISHED, TrialResult, write_report
 
 NUM_SAMPLES = 200  # 20 per class
 STEPS = 100        # DDPM with the learned variance, respaced from the recipe's 250 to fit the session's CPU

@@ -27,7 +27,7 @@ from ray.tune import Callback
 from moh_lightning import cli
 from moh_lightning import sweep as sweep_tool
 from moh_lightning.sweep import _baseline_index, cli_value, grid_cells, trial_names
-from moh_lightning.tools.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
+from moh_lightning.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
 pytestmark = pytest.mark.server
 
