@@ -17,14 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from moh_lightning.callbacks import HeadLoadCallback
 from moh_lightning.callbacks.head_load import run_hparams
-from moh_lightning.callbacks.head_load_plots import (
-    GroupLoad,
-    HeadLoadSnapshot,
-    LayerLoad,
-    group_card,
-    layer_card,
-    load_entropy,
-)
+from moh_lightning.callbacks.head_load.loads import GroupLoad, HeadLoadSnapshot, LayerLoad, load_entropy
+from moh_lightning.callbacks.head_load.render import group_card, layer_card
 from moh_lightning.cli import main
 from moh_lightning.layers import MoHAttention
 from moh_lightning.layers.moh_config import MoHConfig

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moh_lightning.callbacks.head_load_plots import HISTORY_FILE, LOADS_FILE, HeadLoadSnapshot, snapshot_figures
+from moh_lightning.callbacks.head_load.loads import HISTORY_FILE, LOADS_FILE, HeadLoadSnapshot
+from moh_lightning.callbacks.head_load.render import snapshot_figures
 
 
 def _find_loads(run: Path) -> Path:

@@ -1,0 +1,217 @@
+"""``HeadLoadCallback``: the Lightning hooks of the head-load dashboards, and nothing else.
+
+Apart from the counting, the drawing and the loggers so that this file only says *when*: count after each batch,
+close a window every ``log_every_n_steps`` batches and each validation, write the run folder and hand every logger's
+adapter what happened. What is logged is listed in the package's docstring.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers.logger import DummyLogger
+
+from moh_lightning.callbacks.head_load.counting import HeadLoadCounter
+from moh_lightning.callbacks.head_load.loads import SUMMARY_FILE, mean_load_entropy
+from moh_lightning.callbacks.head_load.loggers import adapter
+from moh_lightning.callbacks.head_load.render import figure_rgb, group_card, layer_card, loads_over_time, save_png
+from moh_lightning.callbacks.head_load.summary import DEFAULT_HPARAM_METRICS, run_hparams, summary_markdown
+from moh_lightning.tasks.base import MoHTask
+
+
+class HeadLoadCallback(Callback):
+    """Head-load heatmaps, per-head scalars, HParams and a summary for every MoH task and logger.
+
+    Args:
+        log_every_n_steps: Length of the logging window, in training batches; the Trainer's
+            ``log_every_n_steps`` when None.
+        low_load: A routed head used by fewer than this share of tokens counts as starved (default 1%).
+        max_groups: Groups (classes, sources) drawn per group heatmap, the first ones by id; ``loads.json`` keeps
+            all of them.
+        collapse_windows: A routed head starved for this many logging windows in a row counts as collapsed: a
+            warning names it, ``head_load/layer_XX/collapsed_heads`` counts the layer's collapsed heads from then
+            on, and the summary lists it.
+        timestep_buckets: Buckets of diffusion timesteps for the ``per_timestep`` heatmaps (tasks that expose
+            ``last_timesteps``); 0 switches them off.
+        images_every_n_windows: Log the training heatmap every this many logging windows (1 = every window).
+        hparam_metrics: Scalar tags shown as metrics beside the hyper-parameters (TensorBoard HParams).
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, low_load: float = 0.01, max_groups: int = 12,
+                 collapse_windows: int = 5, timestep_buckets: int = 4, images_every_n_windows: int = 1,
+                 hparam_metrics: list[str] | tuple[str, ...] = DEFAULT_HPARAM_METRICS) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"HeadLoadCallback log_every_n_steps={log_every_n_steps} must be at least 1.")
+        if collapse_windows < 1:
+            raise ValueError(f"HeadLoadCallback collapse_windows={collapse_windows} must be at least 1.")
+        if images_every_n_windows < 1:
+            raise ValueError(f"HeadLoadCallback images_every_n_windows={images_every_n_windows} must be at least 1.")
+        if timestep_buckets < 0:
+            raise ValueError(f"HeadLoadCallback timestep_buckets={timestep_buckets} must be >= 0.")
+        self.log_every_n_steps = log_every_n_steps
+        self.low_load = low_load
+        self.max_groups = max_groups
+        self.collapse_windows = collapse_windows
+        self.timestep_buckets = timestep_buckets
+        self.images_every_n_windows = images_every_n_windows
+        self.hparam_metrics = tuple(hparam_metrics)
+        self.counter = HeadLoadCounter(low_load, collapse_windows, timestep_buckets)
+        self._windows = 0
+        self._hparams: dict[str, Any] = {}
+
+    @property
+    def collapsed_heads(self) -> list[tuple[int, int]]:
+        """(layer, head) of every routed head that has collapsed so far, in the order they did."""
+        return self.counter.collapsed_heads
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._window = self.log_every_n_steps or trainer.log_every_n_steps
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.counter.find_layers(pl_module)
+        self._hparams = run_hparams(pl_module, self.counter.layers)
+        if trainer.is_global_zero:
+            # Before Lightning logs its own hyper-parameters (right after on_fit_start): TensorBoard keeps the first
+            # HParams record of a run, so this one, with these names and real metrics, is the one it shows.
+            routed = [index for index, layer in self.counter.routed_layers() if layer.router.num_routed_heads]
+            for logger in trainer.loggers:
+                adapter(logger).start(self._hparams, self.hparam_metrics, routed, trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not self.counter.count_train_batch() or self.counter.window_batches < self._window:
+            return
+        snapshot, metrics = self.counter.close_window(trainer.strategy.reduce, trainer.global_step,
+                                                      trainer.current_epoch, _run_name(trainer),
+                                                      warn=trainer.is_global_zero)
+        self._windows += 1
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        if snapshot.routed_layers and (self._windows - 1) % self.images_every_n_windows == 0:
+            self._log_image(trainer, "head_load/heatmap_train", layer_card(snapshot))
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.counter.find_layers(pl_module)
+        self.counter.start_validation(getattr(pl_module, "head_load_group_name", "group"))
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not self.counter.has_gates():
+            return
+        groups = pl_module.head_load_groups(batch) if isinstance(pl_module, MoHTask) else None
+        self.counter.count_validation_batch(groups, getattr(pl_module, "last_timesteps", None),
+                                            _num_timesteps(pl_module))
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        snapshot = self.counter.close_validation(
+            trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, _run_name(trainer),
+            lambda kind, count: _group_labels(trainer, pl_module, kind, count))
+        if snapshot is None:
+            return
+        folder = _head_load_folder(trainer)
+        if folder is None:
+            return
+        loads_file = snapshot.save(folder)
+        for logger in trainer.loggers:
+            adapter(logger).loads_saved(loads_file)
+        self._log_image(trainer, "head_load/heatmap_val", layer_card(snapshot), folder / "layers.png")
+        for layer, group in snapshot.group_views():
+            name = f"{group.kind}_layer_{group.layer:02d}"
+            self._log_image(trainer, f"head_load/per_{name}", group_card(layer, group, self.max_groups),
+                            folder / f"{name}.png")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        snapshot = self.counter.last_val or self.counter.last_train
+        folder = _head_load_folder(trainer)
+        if folder is None:
+            return
+        final: dict[str, float] = {}
+        entropy = mean_load_entropy(snapshot.layers) if snapshot is not None else None
+        if entropy is not None:
+            final["head_load_balance/final_load_entropy"] = entropy
+            for logger in trainer.loggers:
+                logger.log_metrics(final, step=trainer.global_step)
+        metrics = {name: _scalar(trainer.callback_metrics.get(name)) for name in self.hparam_metrics}
+        metrics = {name: value for name, value in {**metrics, **final}.items() if value is not None}
+        if snapshot is None:
+            why = ("no logging window completed" if self.counter.routed_layers()
+                   else "a dense model: no layer has routed heads")
+            text = f"# Head load at the end of {_run_name(trainer) or 'the run'}\n\nNo routed head measured ({why}).\n"
+        else:
+            text = summary_markdown(snapshot, self.counter.collapse_events, self._hparams, metrics, self.low_load)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / SUMMARY_FILE).write_text(text)
+        history = self.counter.history
+        budgets = (self.counter.last_train or self.counter.last_val).layers if history else []
+        over_time = loads_over_time(history, budgets)
+        if over_time is not None:
+            save_png(figure_rgb(over_time), folder / "loads_over_time.png")
+        for logger in trainer.loggers:
+            adapter(logger).end(text, snapshot, history, over_time, trainer.global_step)
+
+    def _log_image(self, trainer: Trainer, tag: str, rgb, path: Path | None = None) -> None:
+        if path is not None:
+            save_png(rgb, path)
+        for logger in trainer.loggers:
+            adapter(logger).image(tag, rgb, trainer.global_step)
+
+
+def _head_load_folder(trainer: Trainer) -> Path | None:
+    """``head_load/`` in the run's own folder (the first logger's adapter says where), on rank 0; None on the other
+    ranks and for a run without a run folder (no logger, or ``fast_dev_run``), which writes nothing. Call it on every
+    rank: ``trainer.log_dir`` broadcasts from rank 0 under DDP / FSDP, and rank 0 would wait forever."""
+    log_dir = trainer.log_dir
+    if log_dir is None or all(isinstance(logger, DummyLogger) for logger in trainer.loggers):
+        return None  # without a logger Lightning's log_dir is the working folder, which is not the run's
+    return adapter(trainer.logger).folder(Path(log_dir)) if trainer.is_global_zero else None
+
+
+def _scalar(value) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _run_name(trainer: Trainer) -> str:
+    logger = trainer.logger
+    if logger is None:
+        return ""
+    name, version = logger.name or "", logger.version
+    return f"{name}/version_{version}" if isinstance(version, int) else f"{name}/{version}" if version else name
+
+
+def _num_timesteps(pl_module: LightningModule) -> int:
+    criterion = getattr(pl_module, "criterion", None)
+    total = getattr(criterion, "num_timesteps", None) or getattr(pl_module, "hparams", {}).get("num_train_timesteps")
+    return int(total or 1000)
+
+
+def _group_labels(trainer: Trainer, pl_module: LightningModule, kind: str, count: int) -> list[str]:
+    """Readable names of the groups: timestep ranges, text sources by file name, image classes by folder name."""
+    if kind == "timestep":
+        total = _num_timesteps(pl_module)
+        edges = [round(i * total / count) for i in range(count + 1)]
+        return [f"t {edges[i]}–{edges[i + 1] - 1}" for i in range(count)]
+    datamodule = getattr(trainer, "datamodule", None)
+    names: list[str] | None = None
+    sources = getattr(datamodule, "sources", None)
+    if kind == "source" and sources:
+        names = [Path(str(getattr(source, "label", source))).name or str(source) for source in sources]
+    for attribute in ("val_set", "val_dataset"):
+        classes = getattr(getattr(datamodule, attribute, None), "classes", None)
+        if kind == "class" and classes:
+            names = [str(name) for name in classes]
+    if names and len(names) >= count:
+        return [f"{i}: {names[i]}" if names[i] != str(i) else str(i) for i in range(count)]
+    return [str(i) for i in range(count)]
+
+
+__all__ = ["HeadLoadCallback"]

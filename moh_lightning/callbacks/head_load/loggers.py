@@ -1,0 +1,163 @@
+"""What each logger shows of the head load: one small adapter per logger kind.
+
+Apart from the callback so that a logger is one class here rather than a branch in every hook: the callback says
+what happened (the run starts, an image, a saved ``loads.json``, the run ends) and each adapter shows it in its
+logger's own way. Scalars need no adapter: every Lightning logger takes ``log_metrics``. TensorBoard gets images,
+the custom-scalars layout, text and HParams; Weights & Biases images, line-series charts, a table, HTML text and
+config; MLflow step images, figures, text, artifacts and params; any other logger (CSV) scalars only.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from matplotlib.figure import Figure
+
+from moh_lightning.callbacks.head_load.counting import layer_name
+from moh_lightning.callbacks.head_load.loads import HeadLoadSnapshot
+
+log = logging.getLogger(__name__)
+
+History = list[tuple[int, dict[int, list[float]]]]  # (step, layer -> routed loads) per logging window
+
+
+class LoggerAdapter:
+    """A logger the dashboards draw nothing for (CSV, or a kind they do not know): the run folder and scalars only."""
+
+    def __init__(self, logger: Logger) -> None:
+        self.logger = logger
+
+    def folder(self, log_dir: Path) -> Path:
+        """Where the run's ``head_load/`` files go, when this is the run's first logger."""
+        return log_dir / "head_load"
+
+    def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
+        """The run's head budget (``hparams``, shown beside ``hparam_metrics``) and its ``routed`` layer numbers."""
+
+    def image(self, tag: str, rgb: np.ndarray, step: int) -> None:
+        """A heatmap card, (H, W, 3) uint8."""
+
+    def loads_saved(self, path: Path) -> None:
+        """The latest ``loads.json`` was written to ``path``."""
+
+    def end(self, text: str, snapshot: HeadLoadSnapshot | None, history: History, over_time: Figure | None,
+            step: int) -> None:
+        """The end-of-run summary (markdown ``text``), the last snapshot and the loads of every window."""
+
+
+class TensorBoardAdapter(LoggerAdapter):
+    logger: TensorBoardLogger
+
+    def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        # TensorBoard keeps the first HParams record of a run, so this one, written before Lightning's own, is the
+        # one it shows; its metric values are the scalars of those tags in the run, the final ones.
+        experiment, start, end = hparams_summary(hparams, {name: 0.0 for name in hparam_metrics})
+        writer = self.logger.experiment._get_file_writer()
+        for summary in (experiment, start, end):
+            writer.add_summary(summary, step)
+        writer.flush()
+        if not routed:
+            return
+        per_layer = {f"layer {i:02d}: routed-head load (share of tokens)":
+                     ["Multiline", [rf"^head_load_per_head/{layer_name(i)}/head_\d+$"]] for i in routed}
+        balance = {
+            "busiest routed head ÷ balanced load (1 = even)":
+                ["Multiline", [r"^head_load_balance/layer_\d+/busiest_head_vs_balanced$"]],
+            "idlest routed head ÷ balanced load (1 = even, 0 = unused)":
+                ["Multiline", [r"^head_load_balance/layer_\d+/idlest_head_vs_balanced$"]],
+        }
+        self.logger.experiment.add_custom_scalars(
+            {"head load per layer (one line per routed head)": per_layer, "head load balance": balance})
+
+    def image(self, tag: str, rgb: np.ndarray, step: int) -> None:
+        self.logger.experiment.add_image(tag, rgb, step, dataformats="HWC")
+
+    def end(self, text: str, snapshot: HeadLoadSnapshot | None, history: History, over_time: Figure | None,
+            step: int) -> None:
+        self.logger.experiment.add_text("head_load/summary", text, step)
+        self.logger.experiment.flush()
+
+
+class WandbAdapter(LoggerAdapter):
+    logger: WandbLogger
+
+    def folder(self, log_dir: Path) -> Path:
+        return Path(self.logger.experiment.dir) / "head_load"  # the run's files, which W&B uploads with it
+
+    def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
+        self.logger.experiment.config.update(hparams, allow_val_change=True)
+
+    def image(self, tag: str, rgb: np.ndarray, step: int) -> None:
+        self.logger.log_image(key=tag, images=[rgb], step=step)
+
+    def end(self, text: str, snapshot: HeadLoadSnapshot | None, history: History, over_time: Figure | None,
+            step: int) -> None:
+        import markdown
+        import wandb
+
+        self.logger.experiment.log({"head_load/summary": wandb.Html(markdown.markdown(text, extensions=["tables"])),
+                                    "trainer/global_step": step})
+        if snapshot is None:
+            return
+        columns = ["layer", "head", "shared", "load", "balanced load"]
+        rows = [[layer.index, head, head < layer.shared, value, layer.balanced]
+                for layer in snapshot.layers for head, value in enumerate(layer.load)]
+        self.logger.log_table("head_load/loads", columns=columns, data=rows, step=step)
+        steps = [window_step for window_step, _ in history]
+        for layer in snapshot.routed_layers:
+            lines = [loads[layer.index] for _, loads in history if layer.index in loads]
+            if not lines or len(lines) != len(steps):
+                continue
+            heads = np.asarray(lines).T
+            chart = wandb.plot.line_series(xs=steps, ys=heads.tolist(),
+                                           keys=[f"head {layer.shared + h}" for h in range(len(heads))],
+                                           title=f"layer {layer.index:02d}: routed-head load (share of tokens)",
+                                           xname="step")
+            self.logger.experiment.log({f"head_load_per_head/{layer_name(layer.index)}": chart,
+                                        "trainer/global_step": step})
+
+
+class MLflowAdapter(LoggerAdapter):
+    logger: MLFlowLogger
+
+    def folder(self, log_dir: Path) -> Path:
+        return log_dir / "head_load" / str(self.logger.run_id)  # MLflow runs share a save_dir: one folder per run
+
+    def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(key, str(value)) for key, value in hparams.items()]
+        try:
+            self.logger.experiment.log_batch(self.logger.run_id, params=params)
+        except Exception as error:  # a resumed MLflow run that logged other values refuses to overwrite
+            log.warning("MLflow kept the run's earlier head-budget params: %s", error)
+
+    def image(self, tag: str, rgb: np.ndarray, step: int) -> None:
+        self.logger.experiment.log_image(self.logger.run_id, rgb, key=tag.replace("/", "."), step=step)
+
+    def loads_saved(self, path: Path) -> None:
+        # What `moh head-figures --run <loads.json>` draws from, kept with the run.
+        self.logger.experiment.log_artifact(self.logger.run_id, str(path), "head_load")
+
+    def end(self, text: str, snapshot: HeadLoadSnapshot | None, history: History, over_time: Figure | None,
+            step: int) -> None:
+        self.logger.experiment.log_text(self.logger.run_id, text, "head_load/summary.md")
+        if over_time is not None:
+            self.logger.experiment.log_figure(self.logger.run_id, over_time, "head_load/loads_over_time.png")
+
+
+_ADAPTERS: list[tuple[type[Logger], type[LoggerAdapter]]] = [
+    (TensorBoardLogger, TensorBoardAdapter), (WandbLogger, WandbAdapter), (MLFlowLogger, MLflowAdapter)]
+
+
+def adapter(logger: Logger) -> LoggerAdapter:
+    """The adapter for ``logger``'s kind; the plain one (scalars only) for any other."""
+    return next((cls(logger) for kind, cls in _ADAPTERS if isinstance(logger, kind)), LoggerAdapter(logger))
+
+
+__all__ = ["LoggerAdapter", "MLflowAdapter", "TensorBoardAdapter", "WandbAdapter", "adapter"]
