@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers.logger import DummyLogger
 
@@ -154,7 +155,7 @@ class HeadLoadCallback(Callback):
         for logger in trainer.loggers:
             adapter(logger).end(text, snapshot, history, over_time, trainer.global_step)
 
-    def _log_image(self, trainer: Trainer, tag: str, rgb, path: Path | None = None) -> None:
+    def _log_image(self, trainer: Trainer, tag: str, rgb: np.ndarray, path: Path | None = None) -> None:
         if path is not None:
             save_png(rgb, path)
         for logger in trainer.loggers:

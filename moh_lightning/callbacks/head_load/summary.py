@@ -1,8 +1,8 @@
 """The run's head budget in words: its hyper-parameters under one vocabulary, and the end-of-run summary.
 
-Apart from the callback because both are read beyond it: ``run_hparams`` names the budget the same way for every task
-and logger (the HParams tab, W&B's config, MLflow's params, the summary's settings table), and ``summary_markdown``
-writes ``head_load/summary.md`` from a snapshot's plain numbers.
+Apart from the callback because they are the dashboards' words, not their timing: ``run_hparams`` names the budget
+the same way for every task and logger (the HParams tab, W&B's config, MLflow's params, the summary's settings
+table), and ``summary_markdown`` writes ``head_load/summary.md`` from a snapshot's plain numbers alone.
 """
 from __future__ import annotations
 
