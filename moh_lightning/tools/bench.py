@@ -311,7 +311,7 @@ def _layer(causal: bool, dense: bool, execution: str = "auto", top_k: int = 2,
 
 
 def _execution_layers(causal: bool, fractions: dict[str, int], device: torch.device) -> dict[str, MoHAttention]:
-    """MHA, and for each fraction the MoH layer under each execution, named ``"<fraction> auto|sparse|dense"``."""
+    """MHA, and for each fraction the MoH layer under each execution, named ``"<fraction> auto|sparse|masked"``."""
     layers = {"MHA": _layer(causal, True, device=device)}
     for name, top_k in fractions.items():
         for execution in ("auto", "sparse", "masked"):
@@ -328,7 +328,7 @@ def _execution_cells(ms: dict[str, float], name: str, auto: MoHAttention, num_qu
     picked = "sparse" if auto._head_sparse(gates, num_queries, num_keys, decoding, auto.causal) else "masked"
     cells = [f"{ms[f'{name} {e}']:.{digits}f} ({ms['MHA'] / ms[f'{name} {e}']:.2f}×{f', {picked}' * (e == 'auto')})"
              for e in ("masked", "sparse", "auto")]
-    return ms[f"{name} {picked}"] / ms[f"{name} dense"], cells
+    return ms[f"{name} {picked}"] / ms[f"{name} masked"], cells
 
 
 def _layer_section(report: Report, timer: Clock, lengths, fractions, repeats, warmup) -> None:
