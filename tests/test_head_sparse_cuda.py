@@ -268,7 +268,7 @@ def test_cuda_sparse_compiles():
 
 def test_bench_cuda_quick_writes_every_table(tmp_path):
     """The GPU report's harness, smoke-tested on the CPU (its head-sparse cells go through the CPU backend there)."""
-    from moh_lightning.tools.bench_cuda import bench_cuda
+    from moh_lightning.tools.bench.cuda import bench_cuda
 
     text = bench_cuda(str(tmp_path / "cuda.md"), dtype="float32", quick=True, device="cpu").read_text()
     for section in ("## Targets", "## Attention core", "## Whole MoH layer", "## Decoding one token",

@@ -1,4 +1,6 @@
-"""``moh bench --device cuda``: MoH's head-sparse execution on a GPU against SDPA over all heads, in bf16.
+"""``moh bench --device cuda``: MoH's head-sparse execution on a GPU against SDPA over all heads, in bf16. A report
+of its own, apart from the CPU sections: other shapes and dtype, the CUDA kernels, and on a GPU no other process's
+load to pair rounds against.
 
 Timed with ``torch.utils.benchmark`` (``Timer.blocked_autorange``: CUDA synchronised, enough runs per block to
 outlast the timer's resolution, the median over blocks). Every table has the dense baselines side by side: SDPA over
@@ -22,7 +24,7 @@ from torch.utils import benchmark
 
 from moh_lightning.layers import KVCache, MoHAttention, MoHRouter, pop_load_balance_loss
 from moh_lightning.layers.execution import attend
-from moh_lightning.tools.bench import model_step_parts
+from moh_lightning.tools.bench.model_step import model_step_parts
 
 HEADS, HEAD_DIM, SHARED = 16, 64, 4
 FRACTIONS = {"50%": 4, "75%": 8}            # routed top-k of 12 with 4 shared of 16 heads
