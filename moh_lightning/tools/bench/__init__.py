@@ -42,7 +42,8 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         output: Markdown report; the plot goes beside it as ``<stem>.png``. By default
             ``results/bench_attention.md``, on CUDA ``results/bench_attention_cuda.md``.
         repeats: Timed runs per measurement (the median is reported).
-        warmup: Untimed runs before them.
+        warmup: Untimed rounds before them (each timed run also makes the two untimed calls of
+            ``torch.utils.benchmark``'s ``Timer.timeit`` just before it).
         models: Include the whole-model tables (training steps of every shipped CPU default and of the ViT-S,
             DiT-S/2 and LLM-S shapes, activation-checkpointing memory, LLM-S decoding).
         compiled: Include the compiled-vs-eager table of the three CPU defaults (minutes of compilation).

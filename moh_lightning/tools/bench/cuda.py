@@ -30,7 +30,7 @@ HEADS, HEAD_DIM, SHARED = 16, 64, 4
 FRACTIONS = {"50%": 4, "75%": 8}            # routed top-k of 12 with 4 shared of 16 heads
 TOKENS_PER_BATCH = 16384
 SEEDS = (0, 1, 2)
-# (what, N or cache, fraction) -> the targets: minimum speedup of head-sparse MoH over MHA.
+# (what, N or cache, fraction) -> the targets: minimum speedup of head-sparse MoH over MHA.
 TARGETS = {("core forward", 4096, "50%"): 1.6, ("core forward + backward", 4096, "50%"): 1.4,
            ("layer forward + backward", 4096, "50%"): 1.2, ("decode", 8192, "50%"): 1.3}
 # Whole-model training steps at the short sequence lengths: (MoH config, dense config, batch, target ratio).
