@@ -52,19 +52,22 @@ def bench_cuda(output: str = "results/bench_attention_cuda.md", dtype: str = "bf
     clock = _Clock(min_run_time=0.01 if quick else min_run_time, tokens=512 if quick else TOKENS_PER_BATCH)
     started = time.time()
     lines, targets, wins = [], [], {}
-    lines += _core_tables(clock, run_on, kind, lengths, fractions, seeds, targets)
-    lines += _layer_table(clock, run_on, kind, lengths, fractions, seeds, targets, wins)
-    lines += _decode_table(clock, run_on, kind, caches, fractions, seeds, targets, wins)
-    if not quick:
-        lines += _short_model_table(clock, run_on, kind, targets)
-    lines += _compile_lines(run_on, kind, lengths[-1])
-    header = _header(run_on, dtype, quick, time.time() - started, min_run_time)
-    target_lines = ["## Targets", "", "| target | wanted | measured (seeds' range) | |", "|---|---|---|---|"]
-    target_lines += [f"| {name} | ≥ {wanted:.2f}× | {measured} | {'met' if met else '**missed**'} |"
-                     for name, wanted, measured, met in targets] + [""]
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(header + target_lines + lines + _auto_table(wins)))
+    sections = [partial(_core_tables, clock, run_on, kind, lengths, fractions, seeds, targets),
+                partial(_layer_table, clock, run_on, kind, lengths, fractions, seeds, targets, wins),
+                partial(_decode_table, clock, run_on, kind, caches, fractions, seeds, targets, wins)]
+    if not quick:
+        sections.append(partial(_short_model_table, clock, run_on, kind, targets))
+    sections.append(partial(_compile_lines, run_on, kind, lengths[-1]))
+    # The page is rewritten after every section: a GPU lease that ends mid-run still leaves the tables measured.
+    for section in sections:
+        lines += section()
+        header = _header(run_on, dtype, quick, time.time() - started, min_run_time)
+        target_lines = ["## Targets", "", "| target | wanted | measured (seeds' range) | |", "|---|---|---|---|"]
+        target_lines += [f"| {name} | ≥ {wanted:.2f}× | {measured} | {'met' if met else '**missed**'} |"
+                         for name, wanted, measured, met in targets] + [""]
+        path.write_text("\n".join(header + target_lines + lines + _auto_table(wins)))
     return path
 
 
