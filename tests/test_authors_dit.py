@@ -21,14 +21,9 @@ from moh_lightning.cli import main as moh
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.layers import pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
-from moh_lightning.models.dit import DiT, DiTConfig
+from moh_lightning.models.dit import DiT, DiTConfig, authors_to_dit_state_dict, load_authors_dit, read_state_dict
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
-from moh_lightning.tools.authors_dit import (
-    authors_to_dit_state_dict,
-    experiment_init_args,
-    load_authors_dit,
-    read_state_dict,
-)
+from moh_lightning.tools.authors_dit import experiment_init_args
 
 # A tiny MoH-DiT in their parametrisation: per block heads h, shared_head h_s and routed_head (their k). Block 0/1:
 # every head shared (wg_1 only, as XL/2-90's first 19 blocks); block 2: shared + routed (wg, wg_0, wg_1); block 3:

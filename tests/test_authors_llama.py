@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from moh_lightning.cli import main as moh
 from moh_lightning.layers import MoHAttention, QueryNormRouter
+from moh_lightning.models.llama import authors_budget, load_authors_llama
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel
-from moh_lightning.tools.authors_llama import authors_budget, load_authors_llama
 
 GOLDEN, GOLDEN_META = load_golden("moh_llama")
 # config.json of their release at the golden file's tiny size (LLaMA3-8B's layout: 8 heads of 8, 2 key/value heads).

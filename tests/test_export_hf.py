@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule, TextSource
 from moh_lightning.layers.moh_config import MoHConfig
-from moh_lightning.models.convert_llama import export_hf
-from moh_lightning.models.llama import LlamaConfig, MoHLlama
+from moh_lightning.models.llama import LlamaConfig, MoHLlama, export_hf
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel
 
@@ -147,7 +146,7 @@ def test_push_to_hub_uploads_the_written_folder(learned, tmp_path, monkeypatch):
 @pytest.mark.parametrize("router_dtype", ["float32", "activation"])
 def test_exported_query_norm_router_scores_in_the_suites_precision(router_dtype, tmp_path):
     from moh_lightning.layers import QueryNormRouter
-    from moh_lightning.models.hf_moh_llama import query_norm_gates
+    from moh_lightning.models.llama.hf_moh_llama import query_norm_gates
 
     moh_config = MoHConfig(num_shared_heads=4, top_k=2, router="query_norm", router_dtype=router_dtype)
     export_hf(MoHLlama(LlamaConfig(**ARCH, moh=moh_config)), tmp_path / "qn", ByT5Tokenizer(extra_ids=0), source="t")

@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 
 from moh_lightning.cli import main as moh
 from moh_lightning.layers import QueryNormRouter, activated_head_fraction, pop_load_balance_loss
-from moh_lightning.models.convert_llama import export_hf, from_hf, llm_config_from_hf
-from moh_lightning.models.llama import MoHLlama
+from moh_lightning.models.llama import MoHLlama, export_hf, from_hf, llm_config_from_hf
 from moh_lightning.tasks.language_model import LanguageModel
 
 

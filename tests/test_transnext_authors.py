@@ -16,11 +16,11 @@ from moh_lightning.layers import MoHAttention
 from moh_lightning.models.transnext import (
     TransNeXt,
     TransNeXtConfig,
+    authors_vit,
     checkpoint_state_dict,
     from_authors_state_dict,
     weights_file,
 )
-from moh_lightning.tools.authors_models import authors_vit
 
 # A tiny network in the authors' geometry (patch 4, grids 16 / 8 / 4 / 2, pooled 2x2 in stages 1-3): every router
 # layout of theirs appears once. shared / routed are their shared_head / routed_head (routed_head is top-k).

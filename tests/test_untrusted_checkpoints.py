@@ -123,14 +123,14 @@ def test_weight_loaders_refuse_it(run_dir, loader):
             create_vit(ViTConfig(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4, moh=None,
                                  pretrained=str(path)))
         elif loader == "dense_dit":
-            from moh_lightning.tasks.diffusion import load_dense_dit_weights
+            from moh_lightning.models.dit import load_dense_dit_weights
             load_dense_dit_weights(DiT(DiTConfig(input_size=8, patch_size=4, in_chans=1, num_classes=2,
                                                  embed_dim=32, depth=1, num_heads=2)), str(path))
         elif loader == "authors_dit":
-            from moh_lightning.tools.authors_dit import read_state_dict
+            from moh_lightning.models.dit import read_state_dict
             read_state_dict(str(path))
         elif loader == "authors_llama":
-            from moh_lightning.tools.authors_llama import read_weights
+            from moh_lightning.models.llama import read_weights
             path = path.rename(run_dir / "pytorch_model.bin")
             read_weights(run_dir)
         else:
@@ -168,7 +168,7 @@ def test_the_suites_own_checkpoints_load_without_running_code(tmp_path):
 
 
 def test_lm_eval_trusts_only_the_suites_modelling_file(tmp_path):
-    from moh_lightning.models import hf_moh_llama
+    from moh_lightning.models.llama import hf_moh_llama
 
     ours = tmp_path / "ours"
     ours.mkdir()

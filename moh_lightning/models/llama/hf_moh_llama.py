@@ -1,6 +1,6 @@
 """MoH-LLaMA for ``transformers`` (``trust_remote_code``): the modelling file shipped in exported folders.
 
-``convert_llama.export_hf`` saves any MoH-LLaMA with this file beside its weights, so
+``convert.export_hf`` saves any MoH-LLaMA with this file beside its weights, so
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` and lm-eval's ``hf`` model load it without
 this package. The weights keep LLaMA's names; each attention layer gates its heads before ``o_proj`` with one of the
 suite's two routers:

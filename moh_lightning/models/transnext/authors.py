@@ -1,8 +1,10 @@
 """The authors' released MoH-ViT models (SkyworkAI/MoH README) as the suite's MoH-TransNeXt, ready to evaluate.
 
-The paper's MoH-ViTs are TransNeXt networks; their checkpoints (hub repos ``Chat-UniVi/MoH-ViT-S-80``, ``-S-75``,
-``-B-75``, ``-B-50``, and TransNeXt's own dense ``DaiShiResearch/transnext-{small,base}-224-1k``) load into the named
-models of ``moh_lightning.models.transnext`` with every tensor used:
+Apart from ``weights`` (which converts any layout) and ``registry`` (which names the networks) because this is the
+meeting of the two: a released checkpoint and the named model that is the same network. The paper's MoH-ViTs are
+TransNeXt networks; their checkpoints (hub repos ``Chat-UniVi/MoH-ViT-S-80``, ``-S-75``, ``-B-75``, ``-B-50``, and
+TransNeXt's own dense ``DaiShiResearch/transnext-{small,base}-224-1k``) load into the named models with every tensor
+used:
 
 * their per-stage modules ``patch_embed{i}`` / ``block{i}.{j}`` / ``norm{i}`` are ``patch_embed`` (stage 1) or
   ``stages.{i-1}.downsample``, ``stages.{i-1}.blocks.{j}`` and ``stages.{i-1}.norm``;
@@ -29,14 +31,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moh_lightning.models.transnext import (
-    AUTHORS_HUB_IDS,
-    NAMED_MODELS,
-    TransNeXt,
-    create_transnext,
-    load_pretrained,
-    transnext_config,
-)
+from moh_lightning.models.transnext.network import TransNeXt, create_transnext
+from moh_lightning.models.transnext.registry import AUTHORS_HUB_IDS, NAMED_MODELS, transnext_config
+from moh_lightning.models.transnext.weights import load_pretrained
 
 #: The authors' hub repos -> the named model (and shipped experiment config) that is the same network.
 AUTHORS_VIT = {hub_id: name for name, hub_id in AUTHORS_HUB_IDS.items()}

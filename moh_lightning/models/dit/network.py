@@ -11,7 +11,6 @@ the small pixel-space models of the 32x32 MNIST default) are the shipped configs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ from timm.layers import Mlp, PatchEmbed
 from torch import nn
 
 from moh_lightning.layers import MoHAttention
-from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
-from moh_lightning.serialization import checkpoint_type
+from moh_lightning.layers.moh_config import attention_layers
+from moh_lightning.models.dit.config import DiTConfig
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -102,56 +101,6 @@ class FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
         return self.linear(modulate(self.norm_final(x), shift, scale))
-
-
-@checkpoint_type
-@dataclass
-class DiTConfig:
-    """Architecture of a (MoH-)DiT. Defaults are DiT-XL/2 on 32x32x4 SD-VAE latents of ImageNet 256.
-
-    Args:
-        input_size: Height = width of the input (latent or pixel) grid.
-        patch_size: Side of the square patches the grid is cut into.
-        in_chans: Channels of the input (4 for SD-VAE latents, 1 for grey pixels); timm's name, as ViT's.
-        embed_dim: Token width.
-        depth: Number of blocks.
-        num_heads: Heads per block, or one entry per block (the authors' L/XL MoH models grow heads with depth).
-        head_dim: Width of one head; ``embed_dim // num_heads`` when None.
-        mlp_ratio: MLP hidden width over token width.
-        class_dropout_prob: Probability of replacing a label by the null class in training (classifier-free guidance).
-        num_classes: Number of conditioning classes.
-        learn_sigma: Also output the variance interpolation (twice the input channels) as DiT does.
-        moh: Head budget and routing; None (the default) is DiT's multi-head attention, the dense baseline.
-    """
-
-    input_size: int = 32
-    patch_size: int = 2
-    in_chans: int = 4
-    embed_dim: int = 1152
-    depth: int = 28
-    num_heads: int | list[int] = 16
-    head_dim: int | None = None
-    mlp_ratio: float = 4.0
-    class_dropout_prob: float = 0.1
-    num_classes: int = 1000
-    learn_sigma: bool = True
-    moh: MoHConfig | None = None
-
-    def __post_init__(self) -> None:
-        self.moh = as_moh_config(self.moh)
-        if self.input_size % self.patch_size:
-            raise ValueError(f"input_size={self.input_size} is not divisible by patch_size={self.patch_size}.")
-        attention_layers(self.moh, self.num_heads, self.depth)
-
-    @property
-    def activated_fraction(self) -> float:
-        return activated_fraction(self.moh, self.num_heads, self.depth)
-
-    def __setstate__(self, state: dict) -> None:
-        # Checkpoints written before the rename hold DiT's own name for the input channels.
-        if "in_channels" in state:
-            state["in_chans"] = state.pop("in_channels")
-        self.__dict__.update(state)
 
 
 class DiT(nn.Module):
@@ -260,4 +209,4 @@ def sincos_pos_embed_2d(embed_dim: int, grid_size: int) -> torch.Tensor:
     return torch.cat([embed_1d(grid_w), embed_1d(grid_h)], dim=1).float()
 
 
-__all__ = ["DiT", "DiTBlock", "DiTConfig", "FinalLayer", "LabelEmbedder", "TimestepEmbedder", "sincos_pos_embed_2d"]
+__all__ = ["DiT", "DiTBlock", "FinalLayer", "LabelEmbedder", "TimestepEmbedder", "sincos_pos_embed_2d"]

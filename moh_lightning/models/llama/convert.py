@@ -7,7 +7,8 @@ exactly the original's logits. ``export_hf`` writes any MoH-LLaMA (learned or qu
 per layer) or dense model back to a folder that ``transformers`` loads: safetensors weights under LLaMA's names (the
 learned routers under ``self_attn.router.*``), the config, a model card with the head budget and where the weights
 came from, and ``hf_moh_llama.py`` as ``trust_remote_code`` modelling code, so lm-eval's own ``hf`` model type can
-evaluate it.
+evaluate it. It stands apart from the network because it speaks ``transformers``' names and configs, which the
+decoder itself never needs.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 from moh_lightning.layers.moh_config import MoHConfig
-from moh_lightning.models.llama import LlamaConfig, MoHLlama
+from moh_lightning.models.llama.config import LlamaConfig
+from moh_lightning.models.llama.network import MoHLlama
 
 # The learned router's linears (``MoHRouter``), under the same names in the suite and in exported folders.
 ROUTER_LINEARS = ("shared_router", "routed_router", "type_router")
@@ -141,7 +143,7 @@ def hf_config_for(config: LlamaConfig, **extra):
     """
     from transformers import LlamaConfig as HFLlamaConfig
 
-    from moh_lightning.models.hf_moh_llama import MoHLlamaConfig
+    from moh_lightning.models.llama.hf_moh_llama import MoHLlamaConfig
 
     moh = config.moh
     kwargs = dict(
@@ -233,7 +235,7 @@ def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str =
     """
     from transformers import LlamaForCausalLM
 
-    from moh_lightning.models.hf_moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM
+    from moh_lightning.models.llama.hf_moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM
 
     folder = Path(folder)
     special = {}
