@@ -46,7 +46,7 @@ def authors_shapes(m: dict) -> dict[str, tuple[int, ...]]:
               "t_embedder.mlp.0.weight": (dim, 256), "t_embedder.mlp.0.bias": (dim,),
               "t_embedder.mlp.2.weight": (dim, dim), "t_embedder.mlp.2.bias": (dim,),
               "y_embedder.embedding_table.weight": (m["num_classes"] + 1, dim)}
-    for i, (h, shared, routed) in enumerate(zip(m["num_heads"], m["shared_head"], m["routed_head"])):
+    for i, (h, shared, routed) in enumerate(zip(m["num_heads"], m["shared_head"], m["routed_head"], strict=True)):
         b = f"blocks.{i}."
         shapes.update({b + "attn.qkv.weight": (3 * h * d, dim), b + "attn.qkv.bias": (3 * h * d,),
                        b + "attn.proj.weight": (dim, h * d), b + "attn.proj.bias": (dim,),

@@ -119,7 +119,7 @@ def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(t
     assert kinds["class", 0].labels == ["0", "1", "2"]
     assert kinds["timestep", 0].labels == ["t 0–249", "t 250–499", "t 500–749", "t 750–999"]
     for group in snapshot.groups:  # each group's routed loads also sum to top-k
-        for row, tokens in zip(group.load, group.tokens):
+        for row, tokens in zip(group.load, group.tokens, strict=True):
             assert tokens == 0 or sum(row) == pytest.approx(2.0)
     history = [json.loads(line) for line in (folder / "loads_history.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in history] == [3, 6]

@@ -64,7 +64,7 @@ def test_sparse_equals_dense_forward_backward(case):
     assert grads_d.keys() == grads_s.keys()
     for name, grad in grads_d.items():
         assert grad is not None, name
-        torch.testing.assert_close(grads_s[name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_s[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     assert any("router" in name for name in grads_d)
 
 
@@ -104,7 +104,7 @@ def test_core_equals_dense_and_mask(length, num_keys, num_kv_heads, causal, padd
     weight = torch.randn(ref.shape, generator=generator)
     grads = torch.autograd.grad((out * weight).sum(), (q, k, v, gates))
     ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v, gates))
-    for grad, ref_grad in zip(grads[:3], ref_grads[:3]):
+    for grad, ref_grad in zip(grads[:3], ref_grads[:3], strict=True):
         torch.testing.assert_close(grad, ref_grad, **TOL)
     torch.testing.assert_close(grads[3] * on, ref_grads[3] * on, **TOL)
 
@@ -137,12 +137,13 @@ def test_sparse_kv_cache_decode_equals_dense(num_kv_heads):
     x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(4))
     caches = [KVCache(2, num_kv_heads, 64, 8) for _ in range(2)]
     with torch.no_grad():
-        for layer, cache in zip((dense, sparse), caches):
+        for layer, cache in zip((dense, sparse), caches, strict=True):
             layer(x[:, :32], kv_cache=cache)
         for step in range(32, 40):
-            outs = [layer(x[:, step:step + 1], kv_cache=cache) for layer, cache in zip((dense, sparse), caches)]
+            outs = [layer(x[:, step:step + 1], kv_cache=cache)
+                    for layer, cache in zip((dense, sparse), caches, strict=True)]
             torch.testing.assert_close(outs[1], outs[0], **TOL)
-        chunk = [layer(x[:, :5], kv_cache=cache) for layer, cache in zip((dense, sparse), caches)]
+        chunk = [layer(x[:, :5], kv_cache=cache) for layer, cache in zip((dense, sparse), caches, strict=True)]
     torch.testing.assert_close(chunk[1], chunk[0], **TOL)   # several new tokens after a cache: offset positions
 
 
@@ -224,7 +225,7 @@ def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_k
     weight = torch.randn(ref.shape, generator=generator)
     grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref_grad, **TOL)
 
 

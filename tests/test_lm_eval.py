@@ -56,7 +56,7 @@ def test_harness_loglikelihood_is_the_models(workspace):
     requests = [Instance("loglikelihood", {}, (q["question"], c), i)
                 for i, (q, c) in enumerate((q, c) for q in QUESTIONS for c in q["choices"])]
     scores = [logprob for logprob, _ in lm.loglikelihood(requests)]
-    for request, score in zip(requests, scores):
+    for request, score in zip(requests, scores, strict=True):
         context, continuation = request.arguments
         ids = torch.tensor([lm.tokenizer(context + continuation, add_special_tokens=False)["input_ids"]])
         cont_len = len(continuation.encode())  # byte-level: one token per byte

@@ -216,7 +216,7 @@ def test_fused_router_equals_three_linear_formula(shared, top_k, two_stage, padd
         assert (loss is None) == (ref_loss is None) == (not training or top_k in (0, HEADS - shared))
         if loss is not None:
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for grad, ref_grad in zip(grads, ref_grads):
+        for grad, ref_grad in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
     assert [name for name, _ in router.named_parameters()] == [
         name for name in ("shared_router.weight", "routed_router.weight", "type_router.weight")

@@ -74,7 +74,7 @@ def _assert_same_step(first, second):
     assert grads_a.keys() == grads_b.keys()
     for name, grad in grads_a.items():
         assert grad is not None, name
-        torch.testing.assert_close(grads_b[name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_b[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("name", ["vit", "dit", "llama", "transnext"])
@@ -89,7 +89,7 @@ def test_activation_checkpointing_gives_equal_gradients(name):
     _assert_same_step(reference, _step(checkpointed, inputs, loss_fn))
     # The recomputation in backward does not bring a popped loss back, and the gates are the forward's.
     assert all(layer.load_balance_loss is None for layer in moh_layers(checkpointed))
-    for layer, ref_layer in zip(moh_layers(checkpointed), moh_layers(model)):
+    for layer, ref_layer in zip(moh_layers(checkpointed), moh_layers(model), strict=True):
         torch.testing.assert_close(layer.last_gates, ref_layer.last_gates)
 
 
@@ -122,7 +122,7 @@ def test_dense_and_mask_layer_compiles_in_one_graph_with_equal_outputs_and_gradi
     torch.testing.assert_close(c_out, out, **TOL)
     torch.testing.assert_close(c_gates, gates, **TOL)
     torch.testing.assert_close(c_dx, dx, **TOL)
-    for grad, c_grad in zip(grads, c_grads):
+    for grad, c_grad in zip(grads, c_grads, strict=True):
         torch.testing.assert_close(c_grad, grad, **TOL)
 
 

@@ -39,7 +39,7 @@ def test_every_study_cell_builds_the_budget_it_is_named_after(name):
     study = yaml.safe_load((config_dir() / "studies" / name).read_text())
     cells, shown = grid_cells(study["grid"])
     assert len(study["seeds"]) >= 3
-    for cell, label in zip(cells, shown):
+    for cell, label in zip(cells, shown, strict=True):
         cli = _built(study, cell)
         model = cli.model.model
         # The cell changes the head budget only: the override merges into the config's arch.

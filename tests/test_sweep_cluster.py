@@ -96,7 +96,7 @@ def start_node(temp: Path, name: str, args: list[str], env: dict[str, str]) -> s
     # Every port of the node chosen here, so neither node takes Ray's fixed defaults (10001, 8265, 52365, ...).
     ports = dict(zip(["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
                       "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"],
-                     free_ports(6)))
+                     free_ports(6), strict=True))
     log = temp / f"{name}.log"
     with log.open("w") as out:
         node = subprocess.Popen(

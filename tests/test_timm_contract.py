@@ -83,7 +83,7 @@ def test_features_only_match_forward_intermediates(name):
     info = features.feature_info
     outputs = features.eval()(x)
     assert len(outputs) == len(info.channels()) == len(info.out_indices)
-    for out, channels, reduction in zip(outputs, info.channels(), info.reduction()):
+    for out, channels, reduction in zip(outputs, info.channels(), info.reduction(), strict=True):
         assert out.shape[:2] == (2, channels)
         assert all(side <= math.ceil(x.shape[-1] / reduction) + 1 for side in out.shape[-2:])
 

@@ -33,7 +33,7 @@ def authors_shapes(spec: dict, moh: bool = True) -> dict[str, tuple]:
     """Every parameter of their (MoH-)TransNeXt: name -> shape."""
     shapes, previous = {}, 3
     for i, (dim, heads, depth, ratio, sr) in enumerate(zip(spec["dims"], spec["heads"], spec["depths"], spec["mlp"],
-                                                           spec["sr"]), start=1):
+                                                           spec["sr"], strict=True), start=1):
         kernel = 7 if i == 1 else 3
         shapes |= {f"patch_embed{i}.proj.weight": (dim, previous, kernel, kernel), f"patch_embed{i}.proj.bias": (dim,),
                    f"patch_embed{i}.norm.weight": (dim,), f"patch_embed{i}.norm.bias": (dim,)}
@@ -201,4 +201,5 @@ def test_moh_validate_with_the_authors_weights_reports_top1(tmp_path, run_dir, w
     assert 0.0 <= float(cli.trainer.callback_metrics["val/acc1"]) <= 1.0
     loaded = TransNeXt(suite_config(spec))
     loaded.load_state_dict(from_authors_state_dict(authors_state_dict(spec)))
-    assert all(torch.equal(a, b) for a, b in zip(cli.model.model.state_dict().values(), loaded.state_dict().values()))
+    pairs = zip(cli.model.model.state_dict().values(), loaded.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)

@@ -158,7 +158,7 @@ def hf_config_for(config: LlamaConfig, **extra):
     if moh.router not in ("learned", "query_norm"):
         raise ValueError(f"arch.moh.router={moh.router!r}: the exported modelling code knows 'learned' and "
                          f"'query_norm'.")
-    shared, top_k = (list(values) for values in zip(*layer_budgets(config)))
+    shared, top_k = (list(values) for values in zip(*layer_budgets(config), strict=True))
     return MoHLlamaConfig(moh_num_shared_heads=shared[0] if len(set(shared)) == 1 else shared,
                           moh_top_k=top_k[0] if len(set(top_k)) == 1 else top_k, moh_router=moh.router,
                           moh_router_dtype=moh.router_dtype, moh_two_stage_routing=moh.two_stage_routing, **kwargs)

@@ -74,7 +74,7 @@ class TransNeXtConfig:
             raise ValueError(f"window_size={self.window_size} must be odd.")
         if self.global_pool not in ("avg", ""):
             raise ValueError(f"global_pool={self.global_pool!r}: choose 'avg' or '' (no pooling).")
-        for dim, heads in zip(self.stage("embed_dim"), self.stage("num_heads")):
+        for dim, heads in zip(self.stage("embed_dim"), self.stage("num_heads"), strict=True):
             if dim % heads:
                 raise ValueError(f"embed_dim={dim} is not divisible by num_heads={heads} in a stage.")
         if self.stage("sr_ratio")[-1] != 1:
@@ -98,7 +98,8 @@ class TransNeXtConfig:
 
     @property
     def layer_heads(self) -> list[int]:
-        return [heads for heads, depth in zip(self.stage("num_heads"), self.stage("depth")) for _ in range(depth)]
+        return [heads for heads, depth in zip(self.stage("num_heads"), self.stage("depth"), strict=True)
+                for _ in range(depth)]
 
     @property
     def layer_moh(self) -> MoHConfig | None:
@@ -120,7 +121,7 @@ def _per_block(value: int | list[int] | None, depths: list[int], key: str) -> in
         return value
     value = list(value)
     if len(value) == len(depths):
-        return [v for v, depth in zip(value, depths) for _ in range(depth)]
+        return [v for v, depth in zip(value, depths, strict=True) for _ in range(depth)]
     if len(value) == sum(depths):
         return value
     raise ValueError(f"arch.moh.{key} has {len(value)} entries: give one per stage ({len(depths)}), one per block "

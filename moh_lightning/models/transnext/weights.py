@@ -64,17 +64,24 @@ def from_authors_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, to
                         break
                 name = "attn." + attn
             out[prefix + name] = tensor
-    for (prefix, attn), tensor in q_parts.items():
+    return {**out, **_joined_qkv(q_parts)}
+
+
+def _joined_qkv(parts: dict[tuple[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Their aggregated attention's ``q`` and ``kv`` projections, keyed (block prefix, ``q.weight`` ...), as one
+    ``qkv``; a half without its other half keeps its name, so that loading reports it as unexpected."""
+    out = {}
+    for (prefix, attn), tensor in parts.items():
         if not attn.startswith("q."):
             continue
         suffix = attn.removeprefix("q.")
-        kv = q_parts.get((prefix, "kv." + suffix))
+        kv = parts.get((prefix, "kv." + suffix))
         if kv is None:
-            out[f"{prefix}attn.q.{suffix}"] = tensor  # incomplete: reported as unexpected on load
+            out[f"{prefix}attn.q.{suffix}"] = tensor
             continue
         out[f"{prefix}attn.qkv.{suffix}"] = torch.cat([tensor, kv])
-    for (prefix, attn), tensor in q_parts.items():
-        if attn.startswith("kv.") and (prefix, "q." + attn.removeprefix("kv.")) not in q_parts:
+    for (prefix, attn), tensor in parts.items():
+        if attn.startswith("kv.") and (prefix, "q." + attn.removeprefix("kv.")) not in parts:
             out[f"{prefix}attn.{attn}"] = tensor
     return out
 
