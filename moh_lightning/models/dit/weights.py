@@ -28,8 +28,8 @@ Their gates, term by term against ``MoHRouter`` (``layers/routers.py``), with a 
 
 So the loaded model computes their function with no option added to the router. Their code cannot run a layer with
 one shared head and routed heads (it never builds ``wg_1`` there but calls it); the suite gives that head gate 1,
-which is what a softmax over one logit would give. ``tests/test_authors_dit.py`` checks the loaded model against a
-re-computation written from their formulas, and ``results/authors_models.md`` against their own code.
+which is what a softmax over one logit would give. ``tests/models/dit/test_dit_authors.py`` checks the loaded model
+against a re-computation written from their formulas, and ``results/authors_models.md`` against their own code.
 """
 from __future__ import annotations
 

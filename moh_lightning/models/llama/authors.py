@@ -17,8 +17,8 @@ That is the suite's ``QueryNormRouter`` (``router: query_norm``), which this loa
 suite clamps the standard deviation at 1e-6 (theirs would divide by zero if every routed query of a token had the
 same norm), and by default it scores in fp32 where theirs scores in the activations' dtype: in bf16 the two then keep
 different heads where scores tie after rounding. ``router_dtype="activation"`` scores as theirs does, which
-reproduces their bf16 head choices (``tests/test_authors_llama.py`` against their code's output). Their model
-computes no load-balance loss. The rest is LLaMA: the weights map as for any ``transformers`` LLaMA
+reproduces their bf16 head choices (``tests/models/llama/test_llama_authors.py`` against their code's output). Their
+model computes no load-balance loss. The rest is LLaMA: the weights map as for any ``transformers`` LLaMA
 (``convert.hf_to_moh_state_dict``).
 """
 from __future__ import annotations

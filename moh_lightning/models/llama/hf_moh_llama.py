@@ -14,7 +14,7 @@ suite's two routers:
 ``moh_num_shared_heads`` and ``moh_top_k`` are one int for every layer or a list with one entry per layer. The
 exported model computes the gates only (inference and evaluation): the load-balance loss of training stays in the
 suite. This file may import only torch and transformers, so it repeats the routers' maths instead of importing
-them; that one duplication is inherent to remote code, and ``tests/test_export_hf.py`` holds both to equal logits.
+them; that one duplication is inherent to remote code, and ``tests/tools/test_export_hf.py`` holds both to equal logits.
 """
 from __future__ import annotations
 

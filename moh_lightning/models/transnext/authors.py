@@ -23,8 +23,8 @@ Evaluate a released model on ImageNet's validation folder with the shipped confi
     moh validate --config moh_transnext_small_75.yaml --model.init_args.pretrained Chat-UniVi/MoH-ViT-S-75 \\
         --data.init_args.data_dir /data/imagenet
 
-or in Python, ``authors_vit("Chat-UniVi/MoH-ViT-S-75")``. ``tests/test_transnext_authors.py`` loads state dicts built
-with their names and shapes and checks the outputs against a re-computation from their formulas;
+or in Python, ``authors_vit("Chat-UniVi/MoH-ViT-S-75")``. ``tests/models/transnext/test_transnext_authors.py`` loads
+state dicts built with their names and shapes and checks the outputs against a re-computation from their formulas;
 ``results/authors_models.md`` compares the loaded models with their own code.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from golden import load_golden
-from models import dit_t4_config
+from tiny_models import dit_t4_config
 
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 

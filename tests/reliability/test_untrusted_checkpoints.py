@@ -14,7 +14,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from models import tiny_llama_config
+from tiny_models import tiny_llama_config
 
 from moh_lightning.cli import main
 from moh_lightning.models.dit import DiT, DiTConfig

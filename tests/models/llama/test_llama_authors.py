@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 from golden import load_golden, prefixed
-from models import tiny_llama_config
 from safetensors.torch import save_file
+from tiny_models import tiny_llama_config
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from moh_lightning.cli import main as moh

@@ -29,6 +29,7 @@ import psutil
 import pytest
 import ray
 import yaml
+from conftest import pythonpath
 from lightning.pytorch import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_sweep import FIT_CONFIG, read_csv, run_state, tiny_overlay
@@ -134,7 +135,7 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
            # The trials import LoseNode from this file, as a cluster's nodes import the suite.
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+           "PYTHONPATH": pythonpath(__file__),
            # The head declares a silent node dead after 1.5 s instead of Ray's 15 s, so the test stays short.
            "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
     nodes = []

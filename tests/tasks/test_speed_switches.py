@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
-from models import dit_t4_config, tiny_llama_config
+from tiny_models import dit_t4_config, tiny_llama_config
 from torch.utils.data import DataLoader, TensorDataset
 
 from moh_lightning.layers import MoHAttention, moh_layers, pop_load_balance_loss

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import pythonpath
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -340,7 +341,7 @@ def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
 
 def _moh(folder: Path, *args: str) -> subprocess.Popen:
     folder.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     return subprocess.Popen([MOH, "fit", *VIT, *args], cwd=folder, env=env, stdout=open(folder / "out.txt", "w"),
                             stderr=open(folder / "err.txt", "w"))
 

@@ -18,7 +18,7 @@ from resolved_settings import settings
 from moh_lightning.cli import main
 from moh_lightning.configs import config_dir, shipped_configs
 
-MAIN = json.loads((Path(__file__).parent / "data" / "main_settings.json").read_text())
+MAIN = json.loads((Path(__file__).parents[1] / "data" / "main_settings.json").read_text())
 
 # Keys renamed into the one vocabulary; the architecture itself is compared through what is built (shapes, budgets).
 RENAMED = {"learning_rate": "lr", "load_balance_coef": "load_balance_beta", "warmup_init_lr": "warmup_lr"}

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import pythonpath
 from lightning.pytorch import Callback, LightningModule, Trainer
-from models import tiny_llama_config
 from test_distributed import DDP_TASKS, _logged_scalars, _write_text_corpus
 from timm.optim import param_groups_weight_decay
+from tiny_models import tiny_llama_config
 from torch import nn
 
 from moh_lightning.layers.moh_config import MoHConfig
@@ -70,7 +71,7 @@ def _moh_fit(run_dir: Path, config: str, overrides: list[str]) -> subprocess.Com
             "--trainer.devices=2", "--trainer.precision=32-true", "--trainer.max_steps=3",
             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides]
     return subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__)})
 
 
 # The DDP test's shrunk configs; DiT without its EMA and sample-grid callbacks, which FSDP cannot run (below), so

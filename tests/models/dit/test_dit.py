@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import printed_config
-from models import dit_t4_config
+from tiny_models import dit_t4_config
 
 from moh_lightning.cli import main
 from moh_lightning.configs import config_dir

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import class_of, printed_config
-from models import TINY_LLM_BUDGETS, tiny_llama_config
+from tiny_models import TINY_LLM_BUDGETS, tiny_llama_config
 from transformers import ByT5Tokenizer
 
 from moh_lightning.cli import main as moh
@@ -29,7 +29,7 @@ from moh_lightning.models.llama import LlamaConfig, MoHLlama, sample
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel, warmup_cosine
 
-CONFIGS = Path(__file__).resolve().parent.parent / "cli_configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "cli_configs"
 
 
 def tiny(name: str = "tiny_75", **overrides) -> MoHLlama:

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 from lm_eval.api.instance import Instance
-from models import tiny_llama_config
+from tiny_models import tiny_llama_config
 
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule, TextSource

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_checkpoints
+from conftest import pythonpath, run_checkpoints
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -141,7 +141,7 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides,
             "--trainer.callbacks+=test_distributed.RankState"]
     result = subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Starting with 2 processes" in result.stdout + result.stderr
     # DDP keeps the replicas identical: both ranks end with the same weights, bit for bit, and they are finite.
