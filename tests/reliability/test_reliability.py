@@ -25,6 +25,8 @@ from moh_lightning.cli import MoHLightningCLI, main
 from moh_lightning.configs import resolve_config
 from moh_lightning.data.images import ImageFolderDataModule
 
+pytestmark = pytest.mark.slow
+
 # Small, fast runs of the embedded config (2 layers, 16 images a batch, no validation) with every random
 # augmentation on, whatever the config's defaults: RandAugment and Random Erasing (python `random`), crops and
 # DropPath (torch), Mixup (numpy).
@@ -66,8 +68,6 @@ def test_failed_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, monkey
 KILLED_WRITER = """
 import sys, time, torch
 from moh_lightning import checkpoint_io
-
-pytestmark = pytest.mark.slow
 io = checkpoint_io.AtomicCheckpointIO()
 io.save_checkpoint({"step": 1, "weights": torch.ones(1000)}, sys.argv[1])
 def stalled_save(obj, file):
