@@ -27,10 +27,18 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint that names a type the suite does not allow in checkpoints (it was not opened)."""
 
 
-def checkpoint_type(cls: type) -> type:
-    """Class decorator: instances of ``cls`` may appear in checkpoints (a config dataclass saved with a run)."""
-    torch.serialization.add_safe_globals([cls])
-    return cls
+def checkpoint_type(cls: type | None = None, *, also_as: str | None = None) -> Any:
+    """Class decorator: instances of ``cls`` may appear in checkpoints (a config dataclass saved with a run).
+
+    A checkpoint names the class by the module that defined it when it was saved; ``also_as`` is a second name to
+    accept, such as the family package's (``moh_lightning.models.vit.ViTConfig``), under which checkpoints saved while
+    the family was one module name it.
+    """
+    def allow(cls: type) -> type:
+        torch.serialization.add_safe_globals([cls, *([(cls, also_as)] if also_as else [])])
+        return cls
+
+    return allow if cls is None else allow(cls)
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", extra_types: list | None = None, mmap: bool = False) -> Any:

@@ -43,7 +43,7 @@ _DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGE
 def sweep(
         fit_config: str,
         grid: dict[str, list | dict[str, Any]] | None = None,
-        seeds: list[int] = [0, 1, 2],
+        seeds: Sequence[int] = (0, 1, 2),
         metric: str = "val/loss",
         mode: Literal["min", "max"] = "min",
         out: str | None = None,
@@ -54,7 +54,7 @@ def sweep(
         gpus_per_trial: float = 0,
         retry_failed: bool = True,
         reuse_workers: bool = False,
-        extra_args: list[str] = [],
+        extra_args: Sequence[str] = (),
 ) -> Path:
     """Run one `moh fit` config over a grid of overrides × seeds on Ray Tune; write a table and a plot.
 
@@ -143,8 +143,8 @@ def grid_cells(grid: dict[str, list | dict[str, Any]] | None) -> tuple[list[dict
             raise SystemExit(f"moh sweep: --grid {key!r} is set by the sweep itself (seeds: --seeds).")
         choices[key] = list(values.items()) if isinstance(values, dict) else [(value, value) for value in values]
     combos = list(itertools.product(*choices.values()))
-    return ([{key: value for key, (_, value) in zip(choices, combo)} for combo in combos],
-            [{key: shown for key, (shown, _) in zip(choices, combo)} for combo in combos])
+    return ([{key: value for key, (_, value) in zip(choices, combo, strict=True)} for combo in combos],
+            [{key: shown for key, (shown, _) in zip(choices, combo, strict=True)} for combo in combos])
 
 
 def cli_value(value: Any) -> str:
@@ -184,7 +184,7 @@ def _baseline_index(cells: list[dict[str, Any]], shown: list[dict[str, Any]], ba
     unknown = set(baseline) - set(cells[0])
     if unknown:
         raise SystemExit(f"moh sweep: --baseline keys {sorted(unknown)} are not grid keys {list(cells[0])}.")
-    match = [c for c, (cell, names) in enumerate(zip(cells, shown))
+    match = [c for c, (cell, names) in enumerate(zip(cells, shown, strict=True))
              if all(cli_value(v) in (cli_value(cell[k]), cli_value(names[k])) for k, v in baseline.items())]
     if len(match) != 1:
         raise SystemExit(f"moh sweep: --baseline {baseline} matches {len(match)} grid cells; it must name one.")

@@ -15,6 +15,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pythonpath(test_file: str) -> str:
+    """PYTHONPATH for a ``moh`` subprocess that loads callbacks from the test module ``test_file``: its folder, this
+    one (the helpers it imports) and the caller's own."""
+    folders = [str(Path(test_file).parent), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
+    return os.pathsep.join(folder for folder in folders if folder)
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Distributed and server tests are slow as well, so that ``-m "not slow"`` leaves them out."""
     for item in items:

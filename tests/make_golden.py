@@ -348,8 +348,9 @@ def moh_llama(repo: Path) -> None:
         name = str(dtype).removeprefix("torch.")
         model = model.to(dtype).eval()
         queries = []  # each layer's q_proj output, the router's input, kept for bf16 (fp32 is the suite's own)
-        hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, args, out: queries.append(out.detach()))
-                 for layer in model.model.layers] if dtype == torch.bfloat16 else []
+        hooks = [layer.self_attn.q_proj.register_forward_hook(
+            lambda mod, args, out, kept=queries: kept.append(out.detach()))
+            for layer in model.model.layers] if dtype == torch.bfloat16 else []
         with torch.no_grad(), captured_gates() as gates:
             tensors[f"{name}.logits"] = model(idx).logits.float()
         for hook in hooks:

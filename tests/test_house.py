@@ -45,6 +45,59 @@ def _modules() -> list[tuple[str, Path]]:
     return out
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the suite's modules it imports: ``from package import module`` is an import of that module (the
+    package's ``__init__`` runs before any of its modules, so it is no edge of its own)."""
+    modules = dict(_modules())
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules.keys()
+                edges |= submodules
+                if len(submodules) < len(node.names):
+                    edges.add(node.module)
+            elif isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names} & modules.keys()
+        graph[name] = edges - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, without recursion)."""
+    index, low, on_stack, stack, circles = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while not group or group[-1] != node:
+                        group.append(stack.pop())
+                        on_stack.discard(group[-1])
+                    if len(group) > 1:
+                        circles.append(sorted(group))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return circles
+
+
 def test_every_module_lives_on_a_floor():
     homeless = [name for name, _ in _modules() if name != "moh_lightning" and _floor(name) is None]
     assert homeless == []
@@ -60,6 +113,25 @@ def test_nothing_imports_up_the_house():
             if (_floor(imported) or 0) > floor:
                 upward.append(f"{name} imports {imported}")
     assert upward == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert _circles(_module_graph()) == []
+
+
+FAMILIES = ("vit", "transnext", "dit", "llama")
+
+
+def test_model_families_stand_apart():
+    """A model family imports no other family; what they share (``models/registry.py``) stands beside them."""
+    crossing = []
+    for name, edges in _module_graph().items():
+        family = name.split(".")[2] if name.startswith("moh_lightning.models.") else None
+        if family in FAMILIES:
+            crossing += [f"{name} imports {other}" for other in edges
+                         if other.startswith("moh_lightning.models.") and other.split(".")[2] in FAMILIES
+                         and other.split(".")[2] != family]
+    assert crossing == []
 
 
 # tools/ holds commands, which sit on the callbacks' floor: an import of one by a library module is a tangle the floors

@@ -3,7 +3,7 @@
 The reliability callbacks need a few things Lightning does not expose publicly (when a validation follows a
 batch, putting a resumed train loader back at its position, ModelCheckpoint's own saving steps). Private names
 may change in any Lightning release, so they are all here and listed in ``PRIVATE_LIGHTNING_NAMES``;
-``tests/test_lightning_compat.py`` fails when the installed Lightning no longer has one of them, and
+``tests/callbacks/test_lightning_compat.py`` fails when the installed Lightning no longer has one of them, and
 pyproject.toml caps Lightning at the versions that test has passed on.
 """
 from __future__ import annotations

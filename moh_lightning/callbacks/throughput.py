@@ -151,7 +151,7 @@ class MoHThroughputMonitor(Callback):
         # Lightning's meter takes the FLOPs of one step over all devices.
         samples_per_step = _batch_size(batch) * trainer.world_size
         for meter, per_sample in zip(self._meters, (None, None) if self.flops is None else
-                                     (self.flops.dense, self.flops.computed)):
+                                     (self.flops.dense, self.flops.computed), strict=True):
             meter.update(time=elapsed, batches=self._batches, samples=self._samples, lengths=tokens,
                          flops=None if per_sample is None else int(per_sample * samples_per_step))
         if trainer.global_step % trainer.log_every_n_steps == 0 and trainer.loggers:

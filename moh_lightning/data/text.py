@@ -368,7 +368,7 @@ class TextDataModule(LightningDataModule):
                                    split_by=self.split_by) for s in self.sources]
         seq_len = self.hparams.seq_len
         train = [open_tokens(f, "train") for f in folders]
-        for source, folder, tokens in zip(self.sources, folders, train):
+        for source, folder, tokens in zip(self.sources, folders, train, strict=True):
             if len(tokens) <= seq_len:
                 raise ValueError(f"data source {source.label!r}: its training split has {len(tokens)} tokens, fewer "
                                  f"than one sequence of data.init_args.seq_len + 1 = {seq_len + 1}{_split(folder)}; "
@@ -379,7 +379,7 @@ class TextDataModule(LightningDataModule):
         self.val_set = EvenChunks([open_tokens(f, "val") for f in folders], seq_len, self.hparams.val_samples)
         if len(self.val_set) == 0:
             held_out = ", ".join(f"{s.label!r} holds out {len(open_tokens(f, 'val'))} tokens{_split(f)}"
-                                 for s, f in zip(self.sources, folders))
+                                 for s, f in zip(self.sources, folders, strict=True))
             raise ValueError(f"no validation sequence of data.init_args.seq_len + 1 = {seq_len + 1} tokens: "
                              f"{held_out}; raise a source's val_fraction, add documents, or lower seq_len.")
 

@@ -46,8 +46,8 @@ class GaussianDiffusionLoss(torch.nn.Module):
     bound term of Nichol & Dhariwal (used by DiT as ``loss = mse + vb``) is written here. The variance output v in
     [-1, 1] interpolates log-variance between the clipped posterior variance and beta_t, as ``learned_range``. DiT
     trains with ADM's plain ``MSE`` loss type (``create_diffusion``'s ``rescale_learned_sigmas=False``), so ``vb`` is
-    not multiplied by T / 1000 as ``RESCALED_MSE`` would. ``tests/test_diffusion_loss.py`` compares every term and
-    its gradient with DiT's ``training_losses`` (golden values in ``tests/data``).
+    not multiplied by T / 1000 as ``RESCALED_MSE`` would. ``tests/diffusion/test_gaussian_diffusion.py`` compares every
+    term and its gradient with DiT's ``training_losses`` (golden values in ``tests/data``).
     """
 
     def __init__(self, scheduler: DDPMScheduler) -> None:

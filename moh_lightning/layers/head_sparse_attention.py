@@ -156,7 +156,7 @@ def split_kv(k: torch.Tensor, v: torch.Tensor, num_shared_heads: int, kv_group: 
     num_heads = k.shape[1] * kv_group
     if num_shared_heads % kv_group == 0:
         sizes = [num_shared_heads // kv_group, (num_heads - num_shared_heads) // kv_group]
-        return list(zip(k.split(sizes, dim=1), v.split(sizes, dim=1)))
+        return list(zip(k.split(sizes, dim=1), v.split(sizes, dim=1), strict=True))
     index = torch.arange(num_heads, device=k.device) // kv_group
     return [(k.index_select(1, part), v.index_select(1, part))
             for part in index.split([num_shared_heads, num_heads - num_shared_heads])]

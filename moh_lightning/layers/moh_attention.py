@@ -211,7 +211,7 @@ def layerwise(num_shared_heads: Sequence[int], top_k: Sequence[int], **kwargs) -
     if len(num_shared_heads) != len(top_k):
         raise ValueError(f"num_shared_heads has {len(num_shared_heads)} entries but top_k has {len(top_k)}: "
                          f"give one budget per layer in both.")
-    budgets = list(zip(num_shared_heads, top_k))
+    budgets = list(zip(num_shared_heads, top_k, strict=True))
     counter = {"built": 0}
 
     class LayerwiseMoHAttention(MoHAttention):
@@ -292,7 +292,7 @@ class _CheckpointedForward:
             try:  # the recomputation may stop early, once it has every tensor backward needs
                 return forward(module, *inner_args, **inner_kwargs)
             finally:
-                for layer, (gates, loss) in zip(layers, kept):
+                for layer, (gates, loss) in zip(layers, kept, strict=True):
                     layer.last_gates, layer.load_balance_loss = gates, loss
 
         return checkpoint(run, *args, use_reentrant=False, **kwargs)

@@ -64,7 +64,7 @@ class MoHConfig:
         common = {"router": self.router, "router_dtype": self.router_dtype, "two_stage_routing": self.two_stage_routing,
                   "execution": self.execution}
         return [{**common, "num_shared_heads": s, "top_k": check_head_budget(h, s, k, where=f"layer {i}")}
-                for i, (h, s, k) in enumerate(zip(heads, shared, top_k))]
+                for i, (h, s, k) in enumerate(zip(heads, shared, top_k, strict=True))]
 
 
 def attention_layers(moh: MoHConfig | None, num_heads: int | Sequence[int], depth: int) -> list[dict]:
@@ -80,7 +80,7 @@ def activated_fraction(moh: MoHConfig | None, num_heads: int | Sequence[int], de
     if moh is None:
         return 1.0
     active = sum(layer["num_shared_heads"] + (layer["top_k"] if h > layer["num_shared_heads"] else 0)
-                 for h, layer in zip(heads, moh.layers(heads, depth)))
+                 for h, layer in zip(heads, moh.layers(heads, depth), strict=True))
     return active / sum(heads)
 
 

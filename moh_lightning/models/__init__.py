@@ -1,1 +1,3 @@
-"""Plain ``nn.Module`` models (no Lightning): each puts ``MoHAttention`` into a standard architecture."""
+"""Plain ``nn.Module`` models (no Lightning), a package per family: each puts ``MoHAttention`` into a standard
+architecture (``vit``, ``transnext``, ``dit``, ``llama``), with its config, network, checkpoint layouts and, for the
+timm families, the named models that ``registry`` registers from a table."""

@@ -19,37 +19,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
 from moh_lightning.diffusion import GaussianDiffusionLoss
-from moh_lightning.models.dit import DiT, DiTConfig
+from moh_lightning.models.dit import DiT, DiTConfig, load_dense_dit_weights
 from moh_lightning.tasks.base import MoHTask
-from moh_lightning.weights import check_fit, read_state_dict
 
 Sampler = Literal["ddpm", "ddim"]
 BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
-
-
-def load_dense_dit_weights(model: DiT, source: str) -> DiT:
-    """A dense DiT checkpoint in the authors' DiT layout (facebookresearch/DiT: ``DiT-XL-2-256x256.pt``, or a
-    ``train.py`` checkpoint, whose EMA weights are used) into a MoH-DiT of the same shape, routers fresh.
-
-    The suite's DiT keeps the DiT authors' parameter names, so every weight loads by name; ``pos_embed`` (a fixed
-    sin-cos table here, not a weight) is checked against the model's and dropped. Anything else that is missing,
-    left over or of another shape stops in one line.
-    """
-    from moh_lightning.models.dit import sincos_pos_embed_2d
-
-    key = "model.init_args.init_from_dense"
-    state = read_state_dict(source, key)
-    config = model.config
-    if "pos_embed" in state:
-        expected = sincos_pos_embed_2d(config.embed_dim, config.input_size // config.patch_size).unsqueeze(0)
-        value = state.pop("pos_embed")
-        if value.shape != expected.shape or (value.float() - expected).abs().max().item() > 1e-5:
-            raise ValueError(f"{key}={source!r}: its pos_embed {tuple(value.shape)} is not DiT's sin-cos "
-                             f"table for this config {tuple(expected.shape)}; check input_size, patch_size, embed_dim.")
-    check_fit(model, state, f"{key}={source!r}", "it is not a dense DiT of this config: match depth, embed_dim, "
-              "num_heads, patch_size, in_chans and num_classes to it.", fresh=lambda name: ".router." in name)
-    model.load_state_dict(state, strict=False)
-    return model
 
 
 class ClassConditionalDiffusion(MoHTask):

@@ -28,7 +28,7 @@ class LanguageModel(MoHTask):
     Args:
         arch: The architecture, including the MoH head budget (``arch.moh``).
         init_from_hf: A ``transformers`` LLaMA checkpoint (folder or hub id) to continue-tune: its weights are
-            converted into ``arch`` (whose shapes must match, see ``convert_llama.llm_config_from_hf``).
+            converted into ``arch`` (whose shapes must match, see ``models.llama.llm_config_from_hf``).
         lr: Maximum learning rate.
         min_lr: Learning rate at the end of the cosine decay.
         warmup_lr: Learning rate at the first step of the linear warm-up.
@@ -90,7 +90,7 @@ class LanguageModel(MoHTask):
             # restore the trained ones.
             fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
             if self.hparams.init_from_hf and fitting and self.trainer.ckpt_path is None:
-                from moh_lightning.models.convert_llama import load_hf_weights
+                from moh_lightning.models.llama import load_hf_weights
 
                 load_hf_weights(model, self.hparams.init_from_hf)
             self.model = model

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from moh_lightning.data.text import load_tokenizer
-from moh_lightning.models.convert_llama import export_hf, from_hf
+from moh_lightning.models.llama import export_hf, from_hf
 from moh_lightning.tasks.checkpoints import load_language_model
 
 

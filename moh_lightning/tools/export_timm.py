@@ -25,7 +25,7 @@ from moh_lightning.data.images import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, M
 from moh_lightning.models.transnext import NAMED_MODELS, TransNeXtConfig
 from moh_lightning.models.vit import NAMED_VITS, ViTConfig
 
-# Each family: its config class and its registered names (name -> the config fields that differ from the defaults).
+# Each family: its config class and its table of registered names.
 FAMILIES = {"transnext": (TransNeXtConfig, NAMED_MODELS), "vit": (ViTConfig, NAMED_VITS)}
 
 
@@ -69,11 +69,11 @@ def registered_name(arch: TransNeXtConfig | ViTConfig) -> tuple[str, dict]:
     ours = _json(asdict(arch))
 
     def differences(name: str) -> dict:
-        base = _json(asdict(config_class(**named[name])))
+        base = _json(asdict(config_class(**named[name].fields)))
         return {key: value for key, value in ours.items() if value != base[key]}
 
     # Any registered name rebuilds ``arch`` from its differences; the closest of the same kind (MoH / dense) reads best.
-    same_kind = [name for name in named if (named[name].get("moh") is None) == (arch.moh is None)] or list(named)
+    same_kind = [name for name in named if (named[name].fields.get("moh") is None) == (arch.moh is None)] or list(named)
     name = min(same_kind, key=lambda candidate: len(differences(candidate)))
     return name, differences(name)
 

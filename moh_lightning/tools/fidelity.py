@@ -53,7 +53,7 @@ class SpatialInceptionV3(FeatureExtractorInceptionV3):
         # The spatial map is computed before the '768' pooling point: stop the parent there when nothing else is asked.
         self.features_list, requested = others or ["768"], self.features_list
         try:
-            computed = dict(zip(self.features_list, super().forward(x)))
+            computed = dict(zip(self.features_list, super().forward(x), strict=True))
         finally:
             self.features_list = requested
         spatial = self._spatial[:, :SFID_CHANNELS]                              # (B, 7, 17, 17)

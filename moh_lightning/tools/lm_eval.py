@@ -159,7 +159,7 @@ def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
 
     Other code stops in one line naming the file, since loading the folder would run it.
     """
-    from moh_lightning.models import hf_moh_llama
+    from moh_lightning.models.llama import hf_moh_llama
 
     ours = Path(hf_moh_llama.__file__).read_bytes()
     foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() != ours)

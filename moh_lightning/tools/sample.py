@@ -82,7 +82,7 @@ def sample(
                 x = decoder.decode(x / latent_scale).sample
         arrays.append(to_uint8(x))
     images = np.concatenate(arrays)
-    for i, (image, label) in enumerate(zip(images, labels.tolist())):
+    for i, (image, label) in enumerate(zip(images, labels.tolist(), strict=True)):
         Image.fromarray(image).save(out / "images" / f"{i:06d}_c{label}.png")
     np.savez(out / "samples.npz", arr_0=images, arr_1=labels.numpy())
     save_class_grid(images, labels.numpy(), out / "grid.png")

@@ -46,7 +46,7 @@ class _Sums:
         self.tokens: dict[int, torch.Tensor] = {}    # layer -> ()
 
     def add(self, index: int, gates: torch.Tensor) -> None:
-        for store, value in zip((self.selected, self.gate_sum, self.tokens), _layer_counts(gates)):
+        for store, value in zip((self.selected, self.gate_sum, self.tokens), _layer_counts(gates), strict=True):
             store[index] = value if index not in store else store[index] + value
 
     def reduced(self, reduce: Reduce) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

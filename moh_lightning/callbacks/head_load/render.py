@@ -310,7 +310,7 @@ def loads_over_time(history: list[tuple[int, dict[int, list[float]]]], layers: l
     FigureCanvasAgg(figure)
     axes = figure.subplots(rows, cols, squeeze=False)
     budget = {layer.index: layer for layer in layers}
-    for axis, index in zip(axes.flat, indices):
+    for axis, index in zip(axes.flat, indices, strict=False):
         points = [(step, loads[index]) for step, loads in history if index in loads]
         steps = [step for step, _ in points]
         values = np.asarray([loads for _, loads in points])

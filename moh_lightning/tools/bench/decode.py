@@ -54,8 +54,9 @@ def decode_section(report: Report, clock: Clock, caches, fractions, repeats, war
         for name, layer in layers.items():
             cache = KVCache(BATCH, HEADS, length + 1, HEAD_DIM, device=device)
             cache.k.normal_(), cache.v.normal_()
+            layer.eval()
 
-            def step(layer=layer.eval(), cache=cache):
+            def step(layer=layer, cache=cache, length=length, x=x):
                 cache.length = length - 1
                 layer(x, kv_cache=cache)
             layer_fns[name] = step

@@ -38,7 +38,7 @@ def layer_section(report: Report, clock: Clock, lengths, fractions, repeats, war
         for length in lengths:
             x = torch.randn(BATCH, length, HEADS * HEAD_DIM, device=clock.device, requires_grad=True)
             layers = execution_layers(causal, fractions, clock.device)
-            fns = {name: (lambda layer=layer: layer(x).sum().backward()) for name, layer in layers.items()}
+            fns = {name: (lambda layer=layer, x=x: layer(x).sum().backward()) for name, layer in layers.items()}
             ms = median_ms(fns, repeats, warmup, clock)
             for name in fractions:
                 ratio, cells = execution_cells(ms, name, layers[f"{name} auto"], length, length, False, 1)

@@ -91,7 +91,7 @@ def decode_model_section(report: Report, clock: Clock, repeats: int, warmup: int
                 cache.k.normal_(), cache.v.normal_()
             token = torch.randint(0, model.config.vocab_size, (BATCH, 1), device=clock.device)
 
-            def step(model=model, caches=caches, token=token):
+            def step(model=model, caches=caches, token=token, length=length):
                 for cache in caches:
                     cache.length = length
                 model(token, caches)
@@ -106,7 +106,7 @@ def decode_model_section(report: Report, clock: Clock, repeats: int, warmup: int
 def compiled_section(report: Report, clock: Clock, repeats: int, warmup: int, backend: str) -> None:
     report.section("compiled", backend=backend)
     rows = []
-    for family, batch, shape, names, _ in CPU_DEFAULTS:
+    for _family, batch, shape, names, _ in CPU_DEFAULTS:
         for name in names[:2]:
             torch._dynamo.reset()
             eager = train_step(*model_step_parts(name, batch, clock.device))

@@ -174,11 +174,11 @@ def plot(report: Report, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 5, figsize=(22, 4))
     panels = [(False, False), (False, True), (True, False), (True, True)]
-    for ax, (causal, backward) in zip(axes, panels):
+    for ax, (causal, backward) in zip(axes, panels, strict=False):
         for (c, b, name), points in report.core.items():
             if (c, b) != (causal, backward):
                 continue
-            xs, ys = zip(*points)
+            xs, ys = zip(*points, strict=True)
             ideal = HEADS / (SHARED + FRACTIONS[name])
             line, = ax.plot(xs, ys, marker="o", label=f"MoH {name} (ideal {ideal:.2f}×, dashed)")
             ax.axhline(ideal, color=line.get_color(), ls="--", lw=0.8)
@@ -190,7 +190,7 @@ def plot(report: Report, path: Path) -> None:
         ax.legend(fontsize=7)
     ax = axes[-1]
     for name, points in report.decode.items():
-        xs, ys = zip(*points)
+        xs, ys = zip(*points, strict=True)
         ax.plot(xs, ys, marker="o", label=f"MoH {name}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)

@@ -60,6 +60,6 @@ def median_ms(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, c
 def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float, float]:
     """Median and quartiles of the per-round ratios ``times / base``: the two ran back to back in each round, so
     a slow spell of the machine hits both, where a ratio of the two medians would carry it."""
-    ratios = sorted(t / b for t, b in zip(times, base))
+    ratios = sorted(t / b for t, b in zip(times, base, strict=True))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return statistics.median(ratios), quartiles[0], quartiles[2]

@@ -1,0 +1,179 @@
+"""MoH-LLaMA: a LLaMA-style decoder whose attention is ``MoHAttention`` in causal mode (paper section 4.3).
+
+RMSNorm, rotary position embedding (LLaMA / Hugging Face "rotate half" layout, so converted LLaMA weights
+need no permutation), SwiGLU MLP, optional grouped-query attention and tied embeddings. The routing,
+load-balance loss and KV cache are the shared attention block's; this file only arranges the decoder.
+The named models (Tab. A's LLM-S / LLM-B at 100 / 75 / 50% activated heads, the CPU default) are the shipped
+configs in ``cli_configs/``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moh_lightning.layers import KVCache, MoHAttention
+from moh_lightning.layers.moh_config import attention_layers
+from moh_lightning.models.llama.config import LlamaConfig
+
+
+class RotaryEmbedding(nn.Module):
+    """cos / sin tables of rotary position embedding for positions ``start .. start + length - 1``."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)                                   # (T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                                         # (T, d)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x`` (B, h, T, d) in the rotate-half layout of LLaMA's Hugging Face checkpoints."""
+    # In the activations' dtype, as transformers' LLaMA: fp32 tables on bf16 activations would round differently
+    # from the pretrained model.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """LLaMA's gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: MoH self-attention then SwiGLU, each with a residual."""
+
+    def __init__(self, config: LlamaConfig, moh: dict) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.attn = MoHAttention(config.embed_dim, config.num_heads, attn_head_dim=config.head_dim, qkv_bias=False,
+                                 proj_bias=False, num_kv_heads=config.num_kv_heads, causal=True, **moh)
+        self.mlp_norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.mlp = SwiGLU(config.embed_dim, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        cos, sin = rope
+        x = x + self.attn(self.attn_norm(x), kv_cache=kv_cache,
+                          position_embedding=lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MoHLlama(nn.Module):
+    """Causal decoder LM: token ids (B, T) to next-token logits (B, T, vocab)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
+        layers = attention_layers(config.moh, config.num_heads, config.depth)
+        self.blocks = nn.ModuleList(Block(config, moh) for moh in layers)
+        self.norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_base)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """Normal(0, 0.02) weights (routers included); residual output projections scaled by 1/sqrt(2 depth)
+        as in GPT-2; unit RMSNorm gains."""
+        std = 0.02
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scale = (2 * self.config.depth) ** -0.5 if name.endswith(("attn.proj", "down_proj")) else 1.0
+                nn.init.normal_(module.weight, std=std * scale)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+        """Logits for ``idx`` (B, T); with ``kv_caches`` the tokens continue the cached ones."""
+        start = kv_caches[0].length if kv_caches is not None else 0
+        length = idx.shape[1]
+        if start + length > self.config.block_size:
+            raise ValueError(f"sequence of {start + length} tokens exceeds block_size={self.config.block_size}: "
+                             f"shorten the prompt / max_new_tokens or raise block_size.")
+        rope = self.rope(start, length)
+        x = self.embed(idx)                                                             # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, kv_caches[i] if kv_caches is not None else None)
+        return self.lm_head(self.norm(x))                                              # (B, T, V)
+
+    def init_kv_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+        """One empty ``KVCache`` per layer, on the model's device and dtype."""
+        weight = self.lm_head.weight
+        max_len = max_len or self.config.block_size
+        return [KVCache(batch_size, self.config.num_kv_heads, max_len, self.config.head_dim,
+                        device=weight.device, dtype=weight.dtype) for _ in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k_tokens: int | None = None, top_p: float = 1.0, eos_id: int | None = None,
+                 seed: int | None = None) -> torch.Tensor:
+        """Continues ``idx`` (B, T) by sampling, one token per forward through the KV cache.
+
+        The router runs on every decoded token, so each new token picks its own heads. ``temperature=0``
+        is greedy decoding; ``top_k_tokens`` and ``top_p`` filter as in ``sample``. Stops early once every row has
+        produced ``eos_id``.
+        """
+        batch, length = idx.shape
+        total = min(length + max_new_tokens, self.config.block_size)
+        caches = self.init_kv_caches(batch, total)
+        generator = torch.Generator(device=idx.device)
+        if seed is not None:
+            generator.manual_seed(seed)
+        out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
+        logits = self(idx, caches)[:, -1]
+        for _ in range(total - length):
+            token = sample(logits, temperature, top_k_tokens, top_p, generator)                 # (B, 1)
+            if eos_id is not None:
+                token = token.masked_fill(done[:, None], eos_id)
+                done |= token[:, 0] == eos_id
+            out = torch.cat([out, token], dim=1)
+            if done.all() or out.shape[1] == total:
+                break
+            logits = self(token, caches)[:, -1]
+        return out
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k_tokens: int | None = None, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` (B, V): temperature, then the ``top_k_tokens`` most likely tokens, then nucleus
+    (top-p) filtering. (Named apart from MoH's ``top_k``, the routed heads per token.)
+
+    Written out rather than borrowed from ``transformers``' logits warpers so the model file needs only
+    torch; the semantics are the same (keep the smallest set of tokens whose probability reaches top_p).
+    """
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k_tokens is not None and top_k_tokens < logits.shape[-1]:
+        kth = logits.topk(top_k_tokens, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep tokens until the mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+__all__ = ["Block", "MoHLlama", "RotaryEmbedding", "SwiGLU", "apply_rope", "sample"]

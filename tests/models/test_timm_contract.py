@@ -1,0 +1,146 @@
+"""timm's model contract for every model the suite registers, checked as timm's tests/test_models.py checks its own.
+
+Each model is built tiny (a few pixels, narrow heads, one block per TransNeXt stage) with its own head budget, so the
+whole registry runs in seconds on a CPU.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from timm.models import create_feature_extractor
+
+from moh_lightning.layers import MoHAttention, pop_load_balance_loss
+from moh_lightning.models import transnext, vit
+
+MODULES = [module.__name__.rsplit(".", 1)[-1] for module in (vit, transnext)]
+NAMES = timm.list_models(module=MODULES)
+
+
+def _tiny(name: str) -> tuple[dict, int]:
+    """Overrides that keep the named model's heads and budget at a few pixels, and the input side they give."""
+    if name in vit.NAMED_VITS:
+        return {"img_size": 32, "embed_dim": 8 * vit.named_vit_config(name).num_heads}, 32
+    heads = transnext.transnext_config(name).stage("num_heads")
+    return {"img_size": 64, "depth": 1, "embed_dim": [8 * h for h in heads]}, 64
+
+
+def _create(name: str, seed: int = 0, **kwargs) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The tiny model (weights from ``seed``) and a batch of two inputs for it."""
+    overrides, size = _tiny(name)
+    torch.manual_seed(seed)
+    model = timm.create_model(name, **overrides, **kwargs)
+    return model, torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed + 1))
+
+
+def test_every_named_model_is_registered_with_timm():
+    assert set(NAMES) == set(vit.NAMED_VITS) | set(transnext.NAMED_MODELS)
+
+
+def test_importing_the_package_registers_the_models():
+    code = ("import moh_lightning, timm; timm.create_model('moh_vit_small_patch16_224_75'); "
+            f"print(sorted(timm.list_models(module={MODULES!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(sorted(NAMES))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_cfg(name):
+    model, x = _create(name)
+    cfg = model.pretrained_cfg
+    assert cfg["architecture"] == name and cfg["num_classes"] == model.num_classes
+    assert len(cfg["input_size"]) == 3 and len(cfg["mean"]) == len(cfg["std"]) == cfg["input_size"][0]
+    state = model.state_dict()
+    assert f"{cfg['classifier']}.weight" in state and f"{cfg['first_conv']}.weight" in state
+    features = model.eval().forward_features(x)
+    if cfg.get("pool_size"):  # the last map at the default input size (hierarchical models)
+        reduction = model.feature_info[-1]["reduction"]
+        assert tuple(side // reduction for side in cfg["input_size"][1:]) == cfg["pool_size"]
+        assert features.shape[-2:] == tuple(side // reduction for side in x.shape[-2:])
+    model.reset_classifier(0)
+    assert model(x).shape == (2, model.num_features)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_and_backward(name):
+    model, x = _create(name, num_classes=7)
+    out = model.train()(x)
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    loss = out.mean()
+    balance = pop_load_balance_loss(model)
+    assert (balance is None) == (not name.startswith("moh"))
+    (loss if balance is None else loss + balance).backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_features_only_match_forward_intermediates(name):
+    features, x = _create(name, features_only=True)
+    info = features.feature_info
+    outputs = features.eval()(x)
+    assert len(outputs) == len(info.channels()) == len(info.out_indices)
+    for out, channels, reduction in zip(outputs, info.channels(), info.reduction(), strict=True):
+        assert out.shape[:2] == (2, channels)
+        assert all(side <= math.ceil(x.shape[-1] / reduction) + 1 for side in out.shape[-2:])
+
+    model, _ = _create(name)  # same seed: the weights the features were pruned from
+    final, intermediates = model.eval().forward_intermediates(x, indices=list(info.out_indices))
+    torch.testing.assert_close(final, model.forward_features(x), rtol=0, atol=0)
+    for out, intermediate in zip(outputs, intermediates, strict=True):
+        torch.testing.assert_close(out, intermediate, rtol=0, atol=0)
+    early = model.forward_intermediates(x, indices=list(info.out_indices), stop_early=True, intermediates_only=True)
+    for out, intermediate in zip(outputs, early, strict=True):
+        torch.testing.assert_close(out, intermediate, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fx_forward_and_backward(name):
+    model, x = _create(name, num_classes=7)
+    graph = create_feature_extractor(model, {model.pretrained_cfg["classifier"]: "logits"})
+    # The trace leaves no proxies behind in the layers' recorded state.
+    assert all(layer.last_gates is None for layer in model.modules() if isinstance(layer, MoHAttention))
+    with torch.no_grad():
+        torch.testing.assert_close(graph.eval()(x)["logits"], model.eval()(x), rtol=0, atol=0)
+    out = graph.train()(x)["logits"]
+    assert out.shape == (2, 7)
+    out.mean().backward()
+    assert [n for n, p in graph.named_parameters() if p.grad is None] == []
+
+    fx_features, _ = _create(name, features_only=True, feature_cls="fx")
+    getter_features, _ = _create(name, features_only=True)
+    for traced, getter in zip(fx_features.eval()(x), getter_features.eval()(x), strict=True):
+        if traced.ndim == 3:  # timm's FX graph of a ViT gives its tokens (B, N, C), the getter NCHW maps
+            traced = traced[:, -getter.shape[-2] * getter.shape[-1]:].transpose(1, 2).reshape(getter.shape)
+        torch.testing.assert_close(traced, getter, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_export(name):
+    model, x = _create(name)
+    model.eval()
+    exported = torch.export.export(model, (x,))
+    torch.testing.assert_close(exported.module()(x), model(x))
+
+
+# Not TorchScript, where timm's own ViTs are (vit_small_patch16_224 scripts under torch 2.14): TorchScript compiles
+# every forward a model reaches, and MoHAttention's cannot be. The learned router's gates come out of a custom
+# autograd function (its hand-written backward), and TorchScript cannot call Function.apply; the block's forward takes
+# a Python callable (rotary embedding) and a KV cache object. The dense TransNeXt baselines share TransNeXt's attention
+# classes, which use Python TorchScript does not take (the first failure: unpacking a tensor). torch 2.14 deprecates
+# torch.jit.script in favour of torch.export, which runs every model here (test_torch_export).
+TORCHSCRIPT = ("MoHAttention is not TorchScript (its router's custom autograd function, its callable and KV cache "
+               "arguments); use torch.export")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.xfail(raises=(RuntimeError, torch.jit.frontend.NotSupportedError), strict=True, reason=TORCHSCRIPT)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_torchscript(name):
+    with timm.set_scriptable(True):
+        model, x = _create(name)
+    scripted = torch.jit.script(model.eval())
+    torch.testing.assert_close(scripted(x), model(x))

@@ -1,0 +1,151 @@
+"""`moh fit --config fsdp.yaml` on two CPU processes (gloo): every task trains sharded with norm gradient clipping
+over all shards and non-empty weight-decay groups, and its checkpoint loads on one process.
+
+Lightning's FSDPStrategy refuses CPU, so the shipped overlay's class is swapped for ``cpu_fsdp.CPUFSDPStrategy``,
+which only wraps with ``device_id=cpu``; its settings (auto-wrap policy, ``use_orig_params``, full-state
+checkpoints) are the overlay's.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import pythonpath
+from lightning.pytorch import Callback, LightningModule, Trainer
+from test_distributed import DDP_TASKS, _logged_scalars, _write_text_corpus
+from timm.optim import param_groups_weight_decay
+from tiny_models import tiny_llama_config
+from torch import nn
+
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.llama import MoHLlama
+from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.tasks.base import DECAYED_LAYERS, weight_decay_groups
+from moh_lightning.tasks.classification import ImageClassifier
+from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
+from moh_lightning.tasks.language_model import LanguageModel
+
+pytestmark = pytest.mark.distributed
+
+CLIP = 1e-3  # far below the gradient norms of these runs, so every step is clipped
+
+
+def _global_grad_norm(model: nn.Module) -> float:
+    """The 2-norm of the whole gradient: each rank holds the gradient of its shard only."""
+    squares = sum((p.grad.float().pow(2).sum() for p in model.parameters() if p.grad is not None), torch.zeros(()))
+    dist.all_reduce(squares)
+    return squares.sqrt().item()
+
+
+class FSDPProbe(Callback):
+    """Test helper loaded by the `moh` subprocesses: each rank writes its weight-decay group sizes (elements of its
+    shard) and each step's global gradient norm before and after clipping to ``probe<rank>.json``."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[float, int]] = []
+        self.norms: list[tuple[float, float]] = []
+        self._before = math.nan
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.groups = [(group["weight_decay"], sum(p.numel() for p in group["params"]))
+                       for group in trainer.optimizers[0].param_groups]
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        self._before = _global_grad_norm(trainer.strategy.model)  # Lightning clips right after this hook
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.norms.append((self._before, _global_grad_norm(trainer.strategy.model)))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        Path(f"probe{trainer.global_rank}.json").write_text(json.dumps({"groups": self.groups, "norms": self.norms}))
+
+
+def _moh_fit(run_dir: Path, config: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    args = [str(Path(sys.executable).with_name("moh")), "fit", "--config", f"{config}.yaml", "--config", "fsdp.yaml",
+            "--trainer.strategy.class_path=cpu_fsdp.CPUFSDPStrategy", "--trainer.accelerator=cpu",
+            "--trainer.devices=2", "--trainer.precision=32-true", "--trainer.max_steps=3",
+            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides]
+    return subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__)})
+
+
+# The DDP test's shrunk configs; DiT without its EMA and sample-grid callbacks, which FSDP cannot run (below), so
+# with the always-on callbacks alone (head-load dashboards, checkpoints with last.ckpt).
+FSDP_TASKS = {
+    "classification": (ImageClassifier, *DDP_TASKS["classification"]),
+    "diffusion": (ClassConditionalDiffusion, "dit_mnist_90", [*DDP_TASKS["diffusion"][1][:-1],
+                                                              "--trainer.callbacks=" + json.dumps([])]),
+    "language_model": (LanguageModel, *DDP_TASKS["language_model"]),
+}
+
+
+def _ids(groups: list[dict]) -> list[set[int]]:
+    return [{id(p) for p in group["params"]} for group in sorted(groups, key=lambda group: -group["weight_decay"])]
+
+
+def test_weight_decay_by_layer_type_equals_the_shape_rules_on_unsharded_models():
+    # The rules the tasks used before FSDP: timm's for the ViT, matrices and embeddings for the decoder.
+    vit = create_vit(ViTConfig(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=6, num_classes=5,
+                               moh=MoHConfig(num_shared_heads=2, top_k=2), qk_norm=True))
+    timm_rule = param_groups_weight_decay(vit, 0.05, no_weight_decay_list=vit.no_weight_decay())
+    assert _ids(weight_decay_groups(vit, 0.05)) == _ids(timm_rule)
+    for tied in (True, False):
+        llm = MoHLlama(tiny_llama_config("tiny_75", tie_embeddings=tied))
+        shape_rule = [{"params": [p for p in llm.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                      {"params": [p for p in llm.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+        assert _ids(weight_decay_groups(llm, 0.1)) == _ids(shape_rule)
+
+
+@pytest.mark.parametrize("task", FSDP_TASKS)
+def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(task, run_dir):
+    task_class, config, overrides = FSDP_TASKS[task]
+    if task == "language_model":
+        _write_text_corpus(run_dir / "corpus")
+    result = _moh_fit(run_dir, config, [*overrides, f"--trainer.gradient_clip_val={CLIP}",
+                                        "--trainer.callbacks+=test_fsdp.FSDPProbe"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Starting with 2 processes" in result.stdout + result.stderr
+    probes = [json.loads((run_dir / f"probe{rank}.json").read_text()) for rank in (0, 1)]
+
+    # FSDP's clip_grad_norm_ scales both ranks' shards by one factor from the global norm, so the whole gradient
+    # ends at the clip value (clipping each shard by its own norm would leave up to sqrt(2) x CLIP).
+    assert probes[0]["norms"] == probes[1]["norms"] and len(probes[0]["norms"]) == 3
+    for before, after in probes[0]["norms"]:
+        assert before > 10 * CLIP and after == pytest.approx(CLIP, rel=1e-3)
+
+    checkpoint = next(run_dir.rglob("last.ckpt"))
+    # Full-state checkpoint: loads on one process; its decayed weights are exactly the elements that both
+    # ranks' decay groups held, so no weight fell into the no-decay group by its flat shard shape.
+    loaded = task_class.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False)
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 3
+    assert all(torch.isfinite(value.float()).all() for value in loaded.state_dict().values())
+    decay_rate = loaded.hparams.weight_decay
+    decayed = {id(m.weight): m.weight.numel() for m in loaded.model.modules() if isinstance(m, DECAYED_LAYERS)}
+    decay = [sum(size for rate, size in probe["groups"] if rate > 0) for probe in probes]
+    no_decay = [sum(size for rate, size in probe["groups"] if rate == 0) for probe in probes]
+    if decay_rate > 0:
+        assert sum(decay) == sum(decayed.values()) and sum(no_decay) > 0 and min(decay) > 0
+    else:  # DiT trains without weight decay
+        assert sum(decay) == 0
+
+    run = next(run_dir.rglob("version_0"))  # the config's TensorBoard run
+    losses = _logged_scalars(run, "train/loss")
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert all(math.isfinite(v) for v in _logged_scalars(run, "val/loss"))
+
+
+def test_fsdp_with_ema_stops_with_one_clear_line(run_dir):
+    # dit_mnist_90 as shipped keeps EMA weights through Lightning's EMAWeightAveraging.
+    config, overrides = DDP_TASKS["diffusion"]
+    result = _moh_fit(run_dir, config, overrides[:-1])
+    assert result.returncode != 0
+    assert "SampleGridCallback samples on rank 0 alone" in result.stderr
+    ema_only = json.dumps([{"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging"}])
+    result = _moh_fit(run_dir, config, [*overrides[:-1], f"--trainer.callbacks={ema_only}"])
+    assert result.returncode != 0
+    assert "EMAWeightAveraging does not support FSDP" in result.stderr
