@@ -111,12 +111,13 @@ def _speedup_cell(base: float, times: list[float]) -> str:
     return f"{statistics.median(times) * 1e3:.3f} ms, {statistics.median(ratios):.2f}×{spread}"
 
 
-def _target(targets: list, what: str, length: int, fraction: str, base: float, times: list[float]) -> None:
+def _target(targets: list, what: str, length: int, fraction: str, base: float, times: list[float],
+            kind: str = "") -> None:
     wanted = TARGETS.get((what, length, fraction))
     if wanted is not None:
         ratios = sorted(base / t for t in times)
         median = statistics.median(ratios)
-        targets.append((f"{what}, N = {length}, MoH {fraction}", wanted,
+        targets.append((f"{what}{f' ({kind})' if kind else ''}, N = {length}, MoH {fraction}", wanted,
                         f"{median:.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})", median >= wanted))
 
 
@@ -142,8 +143,7 @@ def _core_tables(clock, device, dtype, lengths, fractions, seeds, targets) -> li
                         backward)) for seed in seeds] for head_sparse in (False, True)}
                     lines.append(f"| {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
                                  f"{_speedup_cell(mha, cells[False])} | {_speedup_cell(mha, cells[True])} |")
-                    if causal:
-                        _target(targets, what, length, name, mha, cells[True])
+                    _target(targets, what, length, name, mha, cells[True], "causal" if causal else "bidirectional")
             lines.append("")
     return lines
 
@@ -199,7 +199,7 @@ def _layer_table(clock, device, dtype, lengths, fractions, seeds, targets, wins)
                                  for seed in seeds] for label in ("masked", "sparse")}
                 lines.append(f"| {kind} | {length} | {mha * 1e3:.3f} ms | {_speedup_cell(mha, [halved])} | {name} | "
                              f"{_speedup_cell(mha, cells['masked'])} | {_speedup_cell(mha, cells['sparse'])} |")
-                _target(targets, "layer forward + backward", length, name, mha, cells["sparse"])
+                _target(targets, "layer forward + backward", length, name, mha, cells["sparse"], kind)
                 if statistics.median(cells["sparse"]) < statistics.median(cells["masked"]):
                     wins.setdefault((kind, name), []).append(length)
     return lines + [""]
