@@ -125,13 +125,15 @@ class MoHThroughputMonitor(Callback):
         self._samples = self._batches = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Counted on every rank: the one-sample forward in training mode reaches the load-balance loss's all-reduce
+        # under DDP, where rank 0 alone would wait for the others.
+        self.flops = sample_flops(pl_module)
         if not trainer.is_global_zero:
             return
         available = self.available_flops
         if available is None:
             dtype = PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
             available = get_available_flops(trainer.strategy.root_device, dtype)
-        self.flops = sample_flops(pl_module)
         self._meters = tuple(Throughput(available_flops=available, world_size=trainer.world_size,
                                         window_size=self.window_size) for _ in range(2))
         self._samples = self._batches = 0
