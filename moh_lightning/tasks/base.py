@@ -110,7 +110,8 @@ class MoHTask(LightningModule):
         return loss + self.load_balance_beta * balance
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/activated_heads", activated_head_fraction(self.model))
+        # The same on every rank; synced only so that Lightning does not warn about an unsynced epoch metric.
+        self.log("val/activated_heads", activated_head_fraction(self.model), sync_dist=True)
 
     def on_fit_start(self) -> None:
         if not isinstance(self.trainer.strategy, FSDPStrategy):
