@@ -117,8 +117,10 @@ def test_their_weights_load_completely_and_compute_their_outputs_and_gates():
         out = model(x, t, y)
         gates = [block.attn.last_gates for block in model.blocks]
         guided = model.forward_with_cfg(x, t, y, 4.0, channels=3)  # their forward_with_cfg guides 3 of 4 channels
-    torch.testing.assert_close(out, GOLDEN["out"], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(guided, GOLDEN["guided"], atol=1e-5, rtol=1e-5)
+    # fp32 rounding of another summation order, on outputs of scale ~5: 1.0e-5 / 2.0e-5 measured on the CI machine
+    # (guidance at scale 4 amplifies the forward's gap); a wrong formula moves them by whole units.
+    torch.testing.assert_close(out, GOLDEN["out"], atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(guided, GOLDEN["guided"], atol=1e-4, rtol=1e-5)
     for i, ours in enumerate(gates):
         theirs = GOLDEN[f"gates.{i}"]
         assert torch.equal(ours > 0, theirs > 0), f"block {i} keeps other heads"
