@@ -71,7 +71,11 @@ def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
     try:
         for m in layers.values():
             m.execution = "masked"
-        with FlopCounterMode(display=False) as counter, torch.compiler.set_stance("force_eager"):
+        # Its own random stream: the count must not move training's (DiT's label dropout draws in this forward),
+        # or a resumed run, which counts again, would no longer match the uninterrupted one.
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), FlopCounterMode(display=False) as counter, \
+                torch.compiler.set_stance("force_eager"):
             out = pl_module(*example)
             (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     finally:
