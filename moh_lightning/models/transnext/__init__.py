@@ -27,7 +27,6 @@ from moh_lightning.models.transnext.weights import (
     from_authors_state_dict,
     is_authors_layout,
     load_pretrained,
-    weights_file,
 )
 
 __all__ = [
@@ -35,5 +34,5 @@ __all__ = [
     "ConvolutionalGLU", "NAMED_MODELS", "NUM_STAGES", "OverlapPatchEmbed", "TransNeXt", "TransNeXtAttention",
     "TransNeXtBlock", "TransNeXtConfig", "TransNeXtStage", "authors_vit", "checkpoint_state_dict", "config_arguments",
     "create_transnext", "from_authors_state_dict", "is_authors_layout", "load_pretrained", "relative_position_table",
-    "transnext_config", "weights_file",
+    "transnext_config",
 ]

@@ -17,6 +17,7 @@ import torch
 
 from moh_lightning.models.transnext.network import TransNeXt
 from moh_lightning.serialization import read_weights_file
+from moh_lightning.weights import check_fit, weights_path
 
 _AUTHORS_STAGE = re.compile(r"^(patch_embed|block|norm)([1-4])\.(.*)$")
 _AUTHORS_ATTENTION = {"wg.": "router.routed_router.", "wg_0.": "router.type_router.",
@@ -100,50 +101,12 @@ def checkpoint_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
     return from_authors_state_dict(checkpoint) if is_authors_layout(checkpoint) else checkpoint
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+def load_pretrained(model: TransNeXt, source: str | Path, key: str = "model.init_args.pretrained") -> None:
+    """Loads weights (ours, a timm export or the authors') into ``model`` from a file or a hub id (``key`` names the
+    option in errors); every tensor must match, none be left."""
+    state = checkpoint_state_dict(read_weights_file(weights_path(source, key)))
+    check_fit(model, state, str(source), "check that the config names the same model (sizes and head budgets).")
+    model.load_state_dict(state)
 
 
-def weights_file(source: str | Path) -> Path:
-    """A local checkpoint file for ``source``: a file path, or a hub repo id holding one weights file
-    (``Chat-UniVi/MoH-ViT-S-75``) or a repo id and the file in it (``owner/name/file.pth``), through
-    ``huggingface_hub`` (its cache first)."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        return path
-    source = str(source)
-    if path.exists() or source.count("/") < 1 or source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{source}: no such checkpoint file ({', '.join(WEIGHT_SUFFIXES)}), and not a hub "
-                                f"repo id (owner/name).")
-    import huggingface_hub
-
-    parts = source.split("/")
-    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
-    unreachable = f"cannot fetch {source} from the Hugging Face hub; download the checkpoint file and give its path"
-    if not filename:
-        try:
-            files = [f for f in huggingface_hub.list_repo_files(repo_id) if f.endswith(WEIGHT_SUFFIXES)]
-        except Exception as error:  # offline, unknown repository, no access: one line says what to do
-            raise FileNotFoundError(f"{unreachable} ({type(error).__name__}).") from None
-        if len(files) != 1:
-            raise FileNotFoundError(f"{repo_id} holds {len(files)} weight files ({', '.join(files) or 'none'}): "
-                                    f"name one as {repo_id}/<file>.")
-        filename = files[0]
-    try:
-        return Path(huggingface_hub.hf_hub_download(repo_id, filename))
-    except Exception as error:
-        raise FileNotFoundError(f"{unreachable} ({type(error).__name__}).") from None
-
-
-def load_pretrained(model: TransNeXt, source: str | Path) -> None:
-    """Loads weights (ours, a timm export or the authors') into ``model``; every tensor must match, none be left."""
-    state = checkpoint_state_dict(read_weights_file(weights_file(source)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{source} does not fit this TransNeXt: {len(missing)} missing weights "
-                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}), {len(unexpected)} "
-                         f"unexpected ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}). "
-                         f"Check that the config names the same model (sizes and head budgets).")
-
-
-__all__ = ["WEIGHT_SUFFIXES", "checkpoint_state_dict", "from_authors_state_dict", "is_authors_layout",
-           "load_pretrained", "weights_file"]
+__all__ = ["checkpoint_state_dict", "from_authors_state_dict", "is_authors_layout", "load_pretrained"]

@@ -19,8 +19,8 @@ from moh_lightning.models.transnext import (
     authors_vit,
     checkpoint_state_dict,
     from_authors_state_dict,
-    weights_file,
 )
+from moh_lightning.weights import weights_path
 
 # A tiny network in the authors' geometry (patch 4, grids 16 / 8 / 4 / 2, pooled 2x2 in stages 1-3): every router
 # layout of theirs appears once. shared / routed are their shared_head / routed_head (routed_head is top-k).
@@ -146,7 +146,7 @@ def test_authors_checkpoint_file_and_hub_id_load_through_the_loader(tmp_path, mo
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo: ["README.md", "moh_tiny.pth"])
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, filename: str(tmp_path / filename))
-    assert weights_file("Chat-UniVi/MoH-ViT-S-75") == path
+    assert weights_path("Chat-UniVi/MoH-ViT-S-75", "pretrained") == path
     model = authors_vit("someone/tiny", model="moh_transnext_micro_75", **_tiny_overrides())
     expected = TransNeXt(suite_config(TINY)).eval()
     expected.load_state_dict(from_authors_state_dict(state))
@@ -167,8 +167,8 @@ def test_loader_names_what_does_not_fit(tmp_path, monkeypatch):
     del state["block3.1.attn.wg.weight"]
     state["block3.1.attn.extra"] = torch.zeros(1)
     torch.save({"model": state}, tmp_path / "broken.pth")
-    with pytest.raises(ValueError, match=r"1 missing weights \(stages.2.blocks.1.attn.router.routed_router.weight\), "
-                                         r"1 unexpected \(stages.2.blocks.1.attn.extra\)"):
+    with pytest.raises(ValueError, match=r"1 missing \['stages.2.blocks.1.attn.router.routed_router.weight'\], "
+                                         r"1 unexpected \['stages.2.blocks.1.attn.extra'\]"):
         authors_vit(tmp_path / "broken.pth", model="moh_transnext_micro_75", **_tiny_overrides())
 
     import huggingface_hub
@@ -177,8 +177,8 @@ def test_loader_names_what_does_not_fit(tmp_path, monkeypatch):
         raise OSError("offline")
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files", offline)
-    with pytest.raises(FileNotFoundError, match="download the checkpoint file and give its path"):
-        weights_file("Chat-UniVi/MoH-ViT-B-50")
+    with pytest.raises(FileNotFoundError, match="download the weights file and give its path"):
+        weights_path("Chat-UniVi/MoH-ViT-B-50", "pretrained")
 
 
 def test_moh_validate_with_the_authors_weights_reports_top1(tmp_path, run_dir, write_image_folder):
