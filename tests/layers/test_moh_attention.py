@@ -245,6 +245,14 @@ def test_moh_config_checks_the_whole_budget_at_construction():
         MoHConfig(execution="fast")
     with pytest.raises(ValueError, match="moh.top_k"):
         MoHConfig(top_k=[2, -1])
+    with pytest.raises(ValueError, match="moh.top_k=True"):
+        MoHConfig(top_k=True)
+    with pytest.raises(ValueError, match="moh.num_shared_heads=None"):
+        MoHConfig(num_shared_heads=None)
+    with pytest.raises(ValueError, match="moh.num_shared_heads has 3 entries but moh.top_k has 2"):
+        MoHConfig(num_shared_heads=[1, 2, 2], top_k=[2, 2])
+    assert MoHConfig(num_shared_heads=[1, 2], top_k=[2, None]).top_k == [2, None]
+    assert MoHConfig(num_shared_heads=2, top_k=[2, 1, 3]).num_shared_heads == 2
 
 
 def test_the_old_execution_name_dense_means_masked_for_one_release():
