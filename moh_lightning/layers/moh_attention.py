@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moh_lightning.layers.budgets import check_head_budget
-from moh_lightning.layers.execution import ExecutionMode, attend, execution_mode, runs_head_sparse
+from moh_lightning.layers.execution import ExecutionMode, execution_mode, runs_head_sparse
+from moh_lightning.layers.execution import attend as attend_heads
 from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterDtype, RouterType
 
@@ -46,6 +47,9 @@ class MoHAttention(nn.Module):
         causal: Each token attends only to itself and earlier tokens.
         execution: ``"masked"`` computes every head and weights it by its gate, ``"sparse"`` only the
             selected (token, head) pairs, ``"auto"`` picks from the shapes.
+
+    ``forward`` runs three steps a subclass with another attention core reuses or overrides: ``route`` (the gates),
+    ``attend`` (the gated head outputs, on the execution path) and ``merge`` (heads concatenated and projected).
 
     The other arguments are timm's ``Attention`` arguments with the same meaning. After a forward,
     ``last_gates`` holds that forward's gates (B, N, h), detached, zero where a head was not selected, and in
@@ -153,38 +157,55 @@ class MoHAttention(nn.Module):
         them (causal decoding with a cache). ``attn_mask`` and ``is_causal`` are timm's arguments.
         """
         batch, length, _ = x.shape
-        # Under an FX trace the tensors are proxies of one static graph: no layer state may keep them, and the graph
-        # computes every head and masks (head-sparse packing follows the gates' values, which a trace does not have).
-        traced = isinstance(x, torch.fx.Proxy)
         if padding_mask is not None and kv_cache is not None:
             raise ValueError("padding_mask with kv_cache is not supported: decode unpadded sequences.")
         qkv = self.qkv(x).reshape(batch, length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.transpose(1, 2).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q, k = self.q_norm(q), self.k_norm(k)                                         # (B, h, N, d)
-
-        gates = None
-        if self.router is not None:
-            routing = self.router(x, q=q, valid=None if padding_mask is None else padding_mask.reshape(-1))
-            gates = routing.gates
-            if padding_mask is not None:
-                gates = gates * padding_mask[..., None].to(gates.dtype)
-            if not traced:
-                self.last_gates = gates.detach()
-                self.load_balance_loss = routing.load_balance_loss
-
+        gates = self.route(x, q, padding_mask)
         if position_embedding is not None:
             q, k = position_embedding(q, k)
         offset = 0
         if kv_cache is not None:
             offset = kv_cache.length
             k, v = kv_cache.update(k, v)
+        out = self.attend(q, k, v, gates, causal=self.causal or is_causal, offset=offset, padding_mask=padding_mask,
+                          attn_mask=attn_mask, decoding=kv_cache is not None)
+        return self.merge(out)
 
-        causal = self.causal or is_causal
-        head_sparse = gates is not None and not traced and self._head_sparse(gates, length, k.shape[2],
-                                                                             kv_cache is not None, causal)
-        out = attend(q, k, v, gates, head_sparse=head_sparse, num_shared_heads=self.num_shared_heads,
-                     active_heads=self.active_heads, causal=causal, offset=offset, padding_mask=padding_mask,
-                     attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0)   # (B, N, h, d)
+    def route(self, x: torch.Tensor, q: torch.Tensor, padding_mask: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+        """Gates (B, N, h) of tokens ``x`` (B, N, C) with queries ``q`` (B, h, N, d), zero where a head is not used
+        and on padded tokens; None for the dense layer. Kept in ``last_gates`` and ``load_balance_loss``."""
+        if self.router is None:
+            return None
+        routing = self.router(x, q=q, valid=None if padding_mask is None else padding_mask.reshape(-1))
+        gates = routing.gates
+        if padding_mask is not None:
+            gates = gates * padding_mask[..., None].to(gates.dtype)
+        # Under an FX trace the tensors are proxies of one static graph: no layer state may keep them.
+        if not isinstance(x, torch.fx.Proxy):
+            self.last_gates = gates.detach()
+            self.load_balance_loss = routing.load_balance_loss
+        return gates
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None, *,
+               causal: bool = False, offset: int = 0, padding_mask: torch.Tensor | None = None,
+               attn_mask: torch.Tensor | None = None, decoding: bool = False) -> torch.Tensor:
+        """Gated head outputs (B, N, h, d) of ``q`` (B, h, N, d) over ``k, v`` (B, h_kv, M, d), on the execution
+        path ``execution`` and the shapes pick; arguments as ``layers.execution.attend``'s, ``decoding`` when the
+        keys come from a KV cache."""
+        # A traced graph computes every head and masks: head-sparse packing follows the gates' values, which a trace
+        # does not have.
+        head_sparse = (gates is not None and not isinstance(q, torch.fx.Proxy)
+                       and self._head_sparse(gates, q.shape[2], k.shape[2], decoding, causal))
+        return attend_heads(q, k, v, gates, head_sparse=head_sparse, num_shared_heads=self.num_shared_heads,
+                            active_heads=self.active_heads, causal=causal, offset=offset, padding_mask=padding_mask,
+                            attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0)
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        """Gated head outputs (B, N, h, d) -> concatenated, normalised and projected tokens (B, N, C_out)."""
+        batch, length = out.shape[:2]
         out = self.norm(out.reshape(batch, length, self.attn_dim))
         return self.proj_drop(self.proj(out))
 
@@ -221,8 +242,6 @@ def layerwise(num_shared_heads: Sequence[int], top_k: Sequence[int], **kwargs) -
                 raise ValueError(f"{len(budgets)} per-layer head budgets given but layer {index} was built: "
                                  f"give one entry per layer in num_shared_heads and top_k.")
             shared, k = budgets[index]
-            if not kwargs.get("dense", False):
-                check_head_budget(num_heads, shared, k, where=f"layer {index}")
             counter["built"] += 1
             super().__init__(dim, num_heads, **{**kwargs, **layer_kwargs, "num_shared_heads": shared, "top_k": k})
 

@@ -49,9 +49,7 @@ class MoHConfig:
             if value not in allowed:
                 raise ValueError(f"moh.{key}={value!r}: choose one of {', '.join(map(repr, allowed))}.")
         self.execution = execution_mode(self.execution, "moh.execution")
-        for key, value in (("num_shared_heads", self.num_shared_heads), ("top_k", self.top_k)):
-            if any(v is not None and (not isinstance(v, int) or v < 0) for v in _values(value)):
-                raise ValueError(f"moh.{key}={value!r}: give a non-negative int, or one per layer.")
+        _check_budget_values(self.num_shared_heads, self.top_k)
         if self.router == "query_norm" and self.execution == "sparse":
             raise ValueError("moh.execution=sparse cannot train the query_norm router: its straight-through gradient "
                              "needs every head's output. Use auto (head-sparse at inference where it pays) or masked.")
@@ -89,8 +87,26 @@ def as_moh_config(value: MoHConfig | dict | None) -> MoHConfig | None:
     return MoHConfig(**value) if isinstance(value, dict) else value
 
 
-def _values(value: int | Sequence[int] | None) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def _check_budget_values(num_shared_heads: int | Sequence[int], top_k: int | Sequence[int] | None) -> None:
+    """Each budget a non-negative int (or None for top_k), and per-layer lists of one length: the two lists
+    describe the same layers, whose number only the model knows."""
+    lengths = {}
+    for key, value in (("num_shared_heads", num_shared_heads), ("top_k", top_k)):
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if isinstance(value, (list, tuple)):
+            lengths[key] = len(values)
+        if not values or not all(_budget_value(v, allow_none=key == "top_k") for v in values):
+            raise ValueError(f"moh.{key}={value!r}: give a non-negative int, or one per layer.")
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"moh.num_shared_heads has {lengths['num_shared_heads']} entries but moh.top_k has "
+                         f"{lengths['top_k']}: give both one entry per layer (or either a single int).")
+
+
+def _budget_value(value, allow_none: bool) -> bool:
+    if value is None:
+        return allow_none
+    # bool is an int to Python, but `top_k: true` in a YAML is a mistake, not one head.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _per_layer(value: int | Sequence[int] | None, depth: int, key: str) -> list:

@@ -25,12 +25,18 @@ def test_gates_have_shared_plus_top_k_nonzero_entries(shared, top_k, two_stage):
     assert not gates.requires_grad
 
 
-def test_dense_mode_equals_timm_attention_on_same_weights():
+@pytest.mark.parametrize("scale_norm", [False, True])
+def test_dense_mode_equals_timm_attention_on_same_weights(scale_norm):
     torch.manual_seed(0)
-    reference = Attention(DIM, num_heads=HEADS, qkv_bias=True, qk_norm=True, norm_layer=torch.nn.LayerNorm)
-    layer = MoHAttention(DIM, num_heads=HEADS, qkv_bias=True, qk_norm=True, norm_layer=torch.nn.LayerNorm,
-                         dense=True)
+    norms = {"qk_norm": True, "scale_norm": scale_norm, "norm_layer": torch.nn.LayerNorm}
+    reference = Attention(DIM, num_heads=HEADS, qkv_bias=True, **norms)
+    layer = MoHAttention(DIM, num_heads=HEADS, qkv_bias=True, dense=True, **norms)
     layer.load_state_dict(reference.state_dict())
+    with torch.no_grad():  # LayerNorm starts as the identity on its scale; a random affine makes it count
+        for name, parameter in layer.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.randn_like(parameter))
+    reference.load_state_dict(layer.state_dict())
     x = torch.randn(2, 13, DIM)
     torch.testing.assert_close(layer(x), reference(x), rtol=0, atol=0)
     assert layer.router is None and layer.last_gates is None
@@ -245,6 +251,14 @@ def test_moh_config_checks_the_whole_budget_at_construction():
         MoHConfig(execution="fast")
     with pytest.raises(ValueError, match="moh.top_k"):
         MoHConfig(top_k=[2, -1])
+    with pytest.raises(ValueError, match="moh.top_k=True"):
+        MoHConfig(top_k=True)
+    with pytest.raises(ValueError, match="moh.num_shared_heads=None"):
+        MoHConfig(num_shared_heads=None)
+    with pytest.raises(ValueError, match="moh.num_shared_heads has 3 entries but moh.top_k has 2"):
+        MoHConfig(num_shared_heads=[1, 2, 2], top_k=[2, 2])
+    assert MoHConfig(num_shared_heads=[1, 2], top_k=[2, None]).top_k == [2, None]
+    assert MoHConfig(num_shared_heads=2, top_k=[2, 1, 3]).num_shared_heads == 2
 
 
 def test_the_old_execution_name_dense_means_masked_for_one_release():

@@ -1,9 +1,10 @@
 """MoH-TransNeXt: the named models at the authors' sizes, per-stage budgets, the task, dashboards, timm's hub format."""
 from __future__ import annotations
 
+import copy
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import timm
@@ -73,12 +74,48 @@ def test_budgets_per_stage_or_per_block_and_errors_name_the_key():
         TransNeXtConfig(**{**asdict(TINY), "moh": MoHConfig(num_shared_heads=1, top_k=[1, 1, 1])})
     with pytest.raises(ValueError, match="top_k=5"):
         TransNeXtConfig(**{**asdict(TINY), "moh": MoHConfig(num_shared_heads=0, top_k=5)})
-    with pytest.raises(ValueError, match="execution='sparse' is not supported"):
-        TransNeXt(TransNeXtConfig(**{**asdict(TINY), "moh": MoHConfig(1, 1, execution="sparse")}))
     with pytest.raises(ValueError, match="arch.embed_dim has 3 entries"):
         TransNeXtConfig(embed_dim=[8, 16, 32])
     with pytest.raises(ValueError, match="a 32x32 token grid reached an attention layer built for 16x16"):
         TransNeXt(TINY)(torch.randn(1, 1, 64, 64))
+
+
+def _forward_backward(model: TransNeXt, x: torch.Tensor):
+    x = x.clone().requires_grad_()
+    out = model(x)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    ((out * weight).sum() + pop_load_balance_loss(model)).backward()
+    return out, x.grad, {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_head_sparse_execution_equals_masked_forward_and_backward(monkeypatch):
+    """Every stage's layout (all heads shared, shared and routed, routed only, full attention) computed only for the
+    selected (token, head) pairs gives the masked execution's logits and gradients (inputs, weights, routers)."""
+    from moh_lightning.layers import execution
+
+    calls = []
+    for owner, name in ((AggregatedAttention, "_attend_routed"), (execution, "head_sparse_attention")):
+        function = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, f=function, n=name, **k: calls.append(n) or f(*a, **k))
+    torch.manual_seed(0)
+    masked = TransNeXt(TransNeXtConfig(**{**asdict(TINY), "moh": replace(TINY.moh, execution="masked")})).train()
+    with torch.no_grad():  # every term of the similarity and the mixing matters, not just its initial scale
+        for parameter in masked.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    sparse = copy.deepcopy(masked)
+    for layer in moh_layers(sparse):
+        layer.execution = "sparse"
+    x = torch.randn(2, 1, 32, 32, generator=torch.Generator().manual_seed(2))
+    out_m, dx_m, grads_m = _forward_backward(masked, x)
+    assert not calls
+    out_s, dx_s, grads_s = _forward_backward(sparse, x)
+    assert calls == ["_attend_routed"] * 3 + ["head_sparse_attention"]   # stage 1 shares all its heads
+    torch.testing.assert_close(out_s, out_m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(dx_s, dx_m, rtol=0, atol=1e-5)
+    assert any(".router." in name for name in grads_m)
+    for name, grad in grads_m.items():
+        # Gradients of the order of one reach the stem through every stage: fp32 rounding grows with them.
+        torch.testing.assert_close(grads_s[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_moh_layers_load_balance_and_dashboards_see_every_stage():
