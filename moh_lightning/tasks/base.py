@@ -5,6 +5,8 @@ only what makes it that task: its loss, metrics and optimiser recipe.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import WeightAveraging
@@ -18,6 +20,18 @@ from moh_lightning.layers.moh_attention import checkpoint_blocks
 # Layers whose weight matrices take weight decay; norms, biases, position embeddings and class tokens do not.
 DECAYED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                   nn.ConvTranspose3d)
+
+
+def init_from_option(init_from: str | None, old_value: str | None, old_name: str) -> str | None:
+    """The weights a task starts from, under the one name every task uses (``init_from``); the task's older name
+    (``old_name``) still works for one release, with a warning."""
+    if old_value is None:
+        return init_from
+    if init_from is not None:
+        raise ValueError(f"model.init_args.{old_name} and model.init_args.init_from are both set: keep init_from.")
+    warnings.warn(f"model.init_args.{old_name} is now model.init_args.init_from; the old name is accepted until the "
+                  "next release.", FutureWarning, stacklevel=3)
+    return old_value
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:

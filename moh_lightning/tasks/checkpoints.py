@@ -90,7 +90,7 @@ def load_language_model(checkpoint: str | Path, map_location: str = "cpu",
     raw = read_checkpoint(checkpoint, LanguageModel, tool, map_location)
     data_hparams = dict(raw.get("datamodule_hyper_parameters") or {})
     hparams = dict(raw["hyper_parameters"])
-    hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
+    hparams["init_from"] = hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
     task = LanguageModel(**{k: v for k, v in hparams.items() if not k.startswith("_")})
     task.configure_model()
     task.load_state_dict(raw["state_dict"])

@@ -20,7 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from moh_lightning.models.transnext import TransNeXtConfig, create_transnext, load_pretrained
 from moh_lightning.models.vit import ViTConfig, create_vit
-from moh_lightning.tasks.base import MoHTask, weight_decay_groups
+from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
 
 
 class ImageClassifier(MoHTask):
@@ -150,14 +150,17 @@ class TransNeXtClassifier(ImageClassifier):
 
     Args:
         arch: The TransNeXt architecture and its per-stage head budgets (``arch.moh``).
-        pretrained: Weights to start from: a file or a hub id (``owner/name``, or ``owner/name:file``) in the suite's
+        init_from: Weights to start from: a file or a hub id (``owner/name``, or ``owner/name:file``) in the suite's
             layout or the authors' (SkyworkAI/MoH's MoH-ViT and TransNeXt's checkpoints); every tensor must fit.
             Loaded when a run starts unless it resumes a checkpoint (``--ckpt_path``), whose weights win.
+        pretrained: ``init_from``'s name before the release that gave every task one name; warns.
         **kwargs: ``ImageClassifier``'s arguments.
     """
 
-    def __init__(self, arch: TransNeXtConfig, pretrained: str | None = None, **kwargs) -> None:
+    def __init__(self, arch: TransNeXtConfig, init_from: str | None = None, pretrained: str | None = None,
+                 **kwargs) -> None:
         super().__init__(arch, **kwargs)
+        self.init_from = init_from_option(init_from, pretrained, "pretrained")
         self._pretrained_loaded = False
 
     @staticmethod
@@ -166,8 +169,8 @@ class TransNeXtClassifier(ImageClassifier):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.hparams.pretrained and not self._pretrained_loaded and self.trainer.ckpt_path is None:
-            load_pretrained(self.model, self.hparams.pretrained)
+        if self.init_from and not self._pretrained_loaded and self.trainer.ckpt_path is None:
+            load_pretrained(self.model, self.init_from, "model.init_args.init_from")
             self._pretrained_loaded = True
 
     def parameter_groups(self, weight_decay: float) -> list[dict]:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.models.dit import DiT, DiTConfig, load_dense_dit_weights
-from moh_lightning.tasks.base import MoHTask
+from moh_lightning.tasks.base import MoHTask, init_from_option
 
 Sampler = Literal["ddpm", "ddim"]
 BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
@@ -49,8 +49,9 @@ class ClassConditionalDiffusion(MoHTask):
         cfg_channels: Guide only the first this many noise channels; None guides all. DiT's sampling code guides 3
             of the 4 latent channels, which its published FIDs were measured with: set 3 to reproduce them.
         clip_sample: Clip the predicted clean sample to [-1, 1] while sampling (pixels yes, latents no).
-        init_from_dense: Start from a dense DiT checkpoint in the authors' layout (``DiT-XL-2-256x256.pt``), every
+        init_from: Start from a dense DiT checkpoint in the authors' layout (``DiT-XL-2-256x256.pt``), every
             weight loaded, the routers fresh (``load_dense_dit_weights``).
+        init_from_dense: ``init_from``'s name before the release that gave every task one name; warns.
     """
 
     head_load_group_name = "class"
@@ -72,6 +73,7 @@ class ClassConditionalDiffusion(MoHTask):
             cfg_scale: float = 1.0,
             cfg_channels: int | None = None,
             clip_sample: bool = False,
+            init_from: str | None = None,
             init_from_dense: str | None = None,
     ) -> None:
         super().__init__(load_balance_beta)
@@ -82,8 +84,9 @@ class ClassConditionalDiffusion(MoHTask):
         self.save_hyperparameters()
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
-        if init_from_dense:
-            load_dense_dit_weights(self.model, init_from_dense)
+        self.init_from = init_from_option(init_from, init_from_dense, "init_from_dense")
+        if self.init_from:
+            load_dense_dit_weights(self.model, self.init_from)
         if cfg_channels is not None and not 1 <= cfg_channels <= self.model.in_chans:
             raise ValueError(f"cfg_channels={cfg_channels} must be between 1 and the model's "
                              f"{self.model.in_chans} channels, or null to guide all.")

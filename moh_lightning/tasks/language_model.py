@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
-from moh_lightning.tasks.base import MoHTask, weight_decay_groups
+from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
 
 
 class LanguageModel(MoHTask):
@@ -27,7 +27,7 @@ class LanguageModel(MoHTask):
 
     Args:
         arch: The architecture, including the MoH head budget (``arch.moh``).
-        init_from_hf: A ``transformers`` LLaMA checkpoint (folder or hub id) to continue-tune: its weights are
+        init_from: A ``transformers`` LLaMA checkpoint (folder or hub id) to continue-tune: its weights are
             converted into ``arch`` (whose shapes must match, see ``models.llama.llm_config_from_hf``).
         lr: Maximum learning rate.
         min_lr: Learning rate at the end of the cosine decay.
@@ -40,6 +40,7 @@ class LanguageModel(MoHTask):
             the authors' ViT / DiT weight of E * sum_i f_i P_i carried over to LMs (their LM training code is
             unreleased); 0 with ``router: query_norm``, as the authors' released MoH-LLaMA3, which computes no
             load-balance loss. A value > 0 adds the suite's E * sum_i f_i P_i of the query-norm scores.
+        init_from_hf: ``init_from``'s name before the release that gave every task one name; warns.
     """
 
     head_load_group_name = "source"
@@ -47,7 +48,7 @@ class LanguageModel(MoHTask):
     def __init__(
             self,
             arch: LlamaConfig,
-            init_from_hf: str | None = None,
+            init_from: str | None = None,
             lr: float = 3e-4,
             min_lr: float = 3e-5,
             warmup_lr: float = 1e-7,
@@ -56,6 +57,7 @@ class LanguageModel(MoHTask):
             weight_decay: float = 0.1,
             betas: tuple[float, float] = (0.9, 0.95),
             load_balance_beta: float | None = None,
+            init_from_hf: str | None = None,
     ) -> None:
         config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
         if load_balance_beta is None:
@@ -66,6 +68,7 @@ class LanguageModel(MoHTask):
         if not 0 <= min_lr <= lr:
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
         self.save_hyperparameters()
+        self.init_from = init_from_option(init_from, init_from_hf, "init_from_hf")
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.config = config
         self.tokens_seen = 0
@@ -89,10 +92,10 @@ class LanguageModel(MoHTask):
             # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and evaluation
             # restore the trained ones.
             fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-            if self.hparams.init_from_hf and fitting and self.trainer.ckpt_path is None:
+            if self.init_from and fitting and self.trainer.ckpt_path is None:
                 from moh_lightning.models.llama import load_hf_weights
 
-                load_hf_weights(model, self.hparams.init_from_hf)
+                load_hf_weights(model, self.init_from)
             self.model = model
         super().configure_model()  # activation checkpointing / torch.compile (MoHTask), once
 

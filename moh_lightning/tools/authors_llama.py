@@ -41,7 +41,7 @@ def load_authors_llama_tool(source: str = AUTHORS_LLAMA_HUB, out: str = "authors
     path = Path(out)
     if path.suffix == ".ckpt":
         tokenizer = str(folder.resolve()) if Path(source).expanduser().is_dir() else source
-        write_checkpoint(path, LanguageModel, {"arch": asdict(model.config), "init_from_hf": None},
+        write_checkpoint(path, LanguageModel, {"arch": asdict(model.config), "init_from": None},
                          {f"model.{name}": value for name, value in model.state_dict().items()},
                          {"tokenizer": tokenizer, "provenance": provenance})
         print(f"wrote {path} ({model.config.activated_fraction:.0%} of heads active); evaluate with "

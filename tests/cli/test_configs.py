@@ -21,14 +21,17 @@ from moh_lightning.configs import config_dir, shipped_configs
 MAIN = json.loads((Path(__file__).parents[1] / "data" / "main_settings.json").read_text())
 
 # Keys renamed into the one vocabulary; the architecture itself is compared through what is built (shapes, budgets).
-RENAMED = {"learning_rate": "lr", "load_balance_coef": "load_balance_beta", "warmup_init_lr": "warmup_lr"}
+RENAMED = {"learning_rate": "lr", "load_balance_coef": "load_balance_beta", "warmup_init_lr": "warmup_lr",
+           "init_from_hf": "init_from"}
 OLD_ARCHITECTURE_KEYS = ("vit.", "llm.", "model_args")
 OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"}
 
 
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
-NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None}
+NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None}
+# Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
+OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
 
 
 # Configs deliberately re-tuned since the snapshot, each change with its reason: config -> part -> key -> new value.
@@ -56,7 +59,7 @@ def _retuned(name: str, old: dict) -> dict:
 def _task_hparams(task: dict) -> dict:
     out = {}
     for key, value in task["hparams"].items():
-        if key in NEW_OPTIONS and value == NEW_OPTIONS[key]:
+        if (key in NEW_OPTIONS and value == NEW_OPTIONS[key]) or (key in OLD_INIT_NAMES and value is None):
             continue
         if key.startswith((*OLD_ARCHITECTURE_KEYS, "arch.")):
             continue

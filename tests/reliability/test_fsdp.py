@@ -25,6 +25,7 @@ from torch import nn
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import MoHLlama
 from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.tasks import TASKS
 from moh_lightning.tasks.base import DECAYED_LAYERS, weight_decay_groups
 from moh_lightning.tasks.classification import ImageClassifier
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
@@ -101,7 +102,7 @@ def test_weight_decay_by_layer_type_equals_the_shape_rules_on_unsharded_models()
         assert _ids(weight_decay_groups(llm, 0.1)) == _ids(shape_rule)
 
 
-@pytest.mark.parametrize("task", FSDP_TASKS)
+@pytest.mark.parametrize("task", TASKS)  # a registered task with no case here fails
 def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(task, run_dir):
     task_class, config, overrides = FSDP_TASKS[task]
     if task == "language_model":

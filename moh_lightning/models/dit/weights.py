@@ -51,7 +51,7 @@ def load_dense_dit_weights(model: DiT, source: str) -> DiT:
     sin-cos table here, not a weight) is checked against the model's and dropped. Anything else that is missing,
     left over or of another shape stops in one line.
     """
-    key = "model.init_args.init_from_dense"
+    key = "model.init_args.init_from"
     state = weights.read_state_dict(source, key)
     config = model.config
     if "pos_embed" in state:

@@ -20,7 +20,7 @@ used:
 
 Evaluate a released model on ImageNet's validation folder with the shipped config of the same network::
 
-    moh validate --config moh_transnext_small_75.yaml --model.init_args.pretrained Chat-UniVi/MoH-ViT-S-75 \\
+    moh validate --config moh_transnext_small_75.yaml --model.init_args.init_from Chat-UniVi/MoH-ViT-S-75 \\
         --data.init_args.data_dir /data/imagenet
 
 or in Python, ``authors_vit("Chat-UniVi/MoH-ViT-S-75")``. ``tests/models/transnext/test_transnext_authors.py`` loads

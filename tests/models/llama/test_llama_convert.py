@@ -119,10 +119,10 @@ def test_convert_tool_and_continue_tuning_init(llama_folder, tmp_path):
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
 
     hf = LlamaForCausalLM.from_pretrained(llama_folder)
-    task = LanguageModel(llm_config_from_hf(hf.config), init_from_hf=str(llama_folder))
+    task = LanguageModel(llm_config_from_hf(hf.config), init_from=str(llama_folder))
     task.configure_model()  # outside a fit: fresh weights
     assert not torch.equal(task.model.embed.weight, hf.model.embed_tokens.weight)
-    task = LanguageModel(llm_config_from_hf(hf.config), init_from_hf=str(llama_folder))
+    task = LanguageModel(llm_config_from_hf(hf.config), init_from=str(llama_folder))
     task.trainer = L.Trainer(logger=False)
     task.trainer.state.fn = TrainerFn.FITTING
     task.configure_model()  # a fresh fit of the continue-tuning config loads the pretrained weights here

@@ -182,7 +182,7 @@ def test_loader_names_what_does_not_fit(tmp_path, monkeypatch):
 
 
 def test_moh_validate_with_the_authors_weights_reports_top1(tmp_path, run_dir, write_image_folder):
-    """`moh validate --config moh_transnext_small_75.yaml --model.init_args.pretrained <their file>` at tiny size."""
+    """`moh validate --config moh_transnext_small_75.yaml --model.init_args.init_from <their file>` at tiny size."""
     write_image_folder(tmp_path / "imagenet", per_class=2, size=(64, 64))
     spec = {**TINY, "classes": 2}
     torch.save({"model": authors_state_dict(spec)}, tmp_path / "theirs.pth")
@@ -195,7 +195,7 @@ def test_moh_validate_with_the_authors_weights_reports_top1(tmp_path, run_dir, w
         "validate", "--config", "moh_transnext_small_75.yaml", *arch, "--model.init_args.arch.num_classes=2",
         f"--model.init_args.arch.moh.num_shared_heads={TINY['shared']}",
         f"--model.init_args.arch.moh.top_k={TINY['routed']}",
-        f"--model.init_args.pretrained={tmp_path / 'theirs.pth'}", f"--data.init_args.data_dir={tmp_path / 'imagenet'}",
+        f"--model.init_args.init_from={tmp_path / 'theirs.pth'}", f"--data.init_args.data_dir={tmp_path / 'imagenet'}",
         "--data.init_args.img_size=64", "--data.init_args.batch_size=4", "--data.init_args.num_workers=0",
         "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.logger=false"])
     assert 0.0 <= float(cli.trainer.callback_metrics["val/acc1"]) <= 1.0
