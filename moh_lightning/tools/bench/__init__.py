@@ -76,7 +76,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
     started = time.time()
     core_section(report, timer, lengths, fractions, repeats, warmup)
     layer_section(report, timer, lengths[:1] if quick else (256, 1024), fractions, repeats, warmup)
-    memory_section(report, lengths[-1])
+    memory_section(report, lengths[-1], quick)
     decode_section(report, timer, caches, fractions, repeats, warmup)
     if models or quick:
         model_section(report, timer, MODELS[:1] if quick else MODELS, repeats, warmup, quick)
