@@ -170,7 +170,7 @@ class TransNeXtClassifier(ImageClassifier):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.init_from and not self._pretrained_loaded and self.trainer.ckpt_path is None:
-            load_pretrained(self.model, self.init_from, "model.init_args.init_from")
+            load_pretrained(self.model, self.init_from)
             self._pretrained_loaded = True
 
     def parameter_groups(self, weight_decay: float) -> list[dict]:

@@ -101,7 +101,7 @@ def checkpoint_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
     return from_authors_state_dict(checkpoint) if is_authors_layout(checkpoint) else checkpoint
 
 
-def load_pretrained(model: TransNeXt, source: str | Path, key: str = "model.init_args.pretrained") -> None:
+def load_pretrained(model: TransNeXt, source: str | Path, key: str = "model.init_args.init_from") -> None:
     """Loads weights (ours, a timm export or the authors') into ``model`` from a file or a hub id (``key`` names the
     option in errors); every tensor must match, none be left."""
     state = checkpoint_state_dict(read_weights_file(weights_path(source, key)))
