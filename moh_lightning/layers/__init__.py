@@ -8,7 +8,6 @@ from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.moh_attention import (
     MoHAttention,
     activated_head_fraction,
-    layerwise,
     moh_layers,
     pop_load_balance_loss,
 )
@@ -16,6 +15,6 @@ from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterOutpu
 
 __all__ = [
     "ExecutionMode", "KVCache", "MoHAttention", "MoHRouter", "QueryNormRouter", "RouterOutput", "RouterType",
-    "activated_head_fraction", "check_head_budget", "layerwise", "load_balance_loss", "moh_layers",
+    "activated_head_fraction", "check_head_budget", "load_balance_loss", "moh_layers",
     "pop_load_balance_loss",
 ]

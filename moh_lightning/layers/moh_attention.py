@@ -15,7 +15,7 @@ the helpers that walk a model's blocks.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -221,33 +221,6 @@ class MoHAttention(nn.Module):
         return runs_head_sparse(self.execution, gates.device.type, num_queries, num_keys,
                                 self.active_heads / self.num_heads, decoding, causal)
 
-
-def layerwise(num_shared_heads: Sequence[int], top_k: Sequence[int], **kwargs) -> type[MoHAttention]:
-    """A ``MoHAttention`` class whose successive instances take successive per-layer head budgets.
-
-    timm builds its blocks in depth order through the ``attn_layer`` hook and requires a class there, so the
-    per-layer budgets of the paper's configurations (e.g. fewer active heads in shallow layers) ride on the
-    class. ``kwargs`` are shared by every layer. Building more layers than budgets is an error.
-    """
-    if len(num_shared_heads) != len(top_k):
-        raise ValueError(f"num_shared_heads has {len(num_shared_heads)} entries but top_k has {len(top_k)}: "
-                         f"give one budget per layer in both.")
-    budgets = list(zip(num_shared_heads, top_k, strict=True))
-    counter = {"built": 0}
-
-    class LayerwiseMoHAttention(MoHAttention):
-        def __init__(self, dim: int, num_heads: int = 8, **layer_kwargs) -> None:
-            index = counter["built"]
-            if index >= len(budgets):
-                raise ValueError(f"{len(budgets)} per-layer head budgets given but layer {index} was built: "
-                                 f"give one entry per layer in num_shared_heads and top_k.")
-            shared, k = budgets[index]
-            counter["built"] += 1
-            super().__init__(dim, num_heads, **{**kwargs, **layer_kwargs, "num_shared_heads": shared, "top_k": k})
-
-    LayerwiseMoHAttention.num_budgets = len(budgets)
-    LayerwiseMoHAttention.built = staticmethod(lambda: counter["built"])
-    return LayerwiseMoHAttention
 
 def moh_layers(model: nn.Module) -> list[MoHAttention]:
     """Every routed ``MoHAttention`` in ``model``, in module order (dense layers excluded)."""

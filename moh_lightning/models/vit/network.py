@@ -1,4 +1,4 @@
-"""The MoH-ViT network: timm's ``VisionTransformer`` with ``MoHAttention`` entering through ``attn_layer``.
+"""The MoH-ViT network: timm's ``VisionTransformer`` with ``MoHAttention`` in each block (``block_fn``).
 
 Nothing of ViT is re-implemented here: the config says which heads each layer shares and routes, and timm builds the
 model. Unlike timm's own ViTs the MoH-ViTs are not TorchScript: ``MoHAttention`` is not (its router's gates come out
@@ -6,9 +6,13 @@ of a custom autograd function, and its forward takes a callable and a KV cache o
 """
 from __future__ import annotations
 
-from timm.models.vision_transformer import VisionTransformer
+from collections.abc import Sequence
+from functools import partial
 
-from moh_lightning.layers import MoHAttention, layerwise
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from moh_lightning.layers import MoHAttention
 from moh_lightning.layers.moh_config import attention_layers
 from moh_lightning.models.vit.config import ViTConfig
 from moh_lightning.models.vit.weights import load_dense_timm_weights
@@ -17,17 +21,14 @@ from moh_lightning.models.vit.weights import load_dense_timm_weights
 def create_vit(config: ViTConfig) -> VisionTransformer:
     """Builds timm's ``VisionTransformer`` with a MoH (or dense) attention layer in every block."""
     layers = attention_layers(config.moh, config.num_heads, config.depth)
-    common = {key: value for key, value in layers[0].items() if key not in ("num_shared_heads", "top_k")}
     if config.head_dim is not None:
-        common["attn_head_dim"] = config.head_dim
-    attn_layer = layerwise([layer.get("num_shared_heads", 0) for layer in layers],
-                           [layer.get("top_k", 0) for layer in layers], **common)
+        layers = [{**layer, "attn_head_dim": config.head_dim} for layer in layers]
     model = VisionTransformer(
         img_size=config.img_size, patch_size=config.patch_size, in_chans=config.in_chans,
         num_classes=config.num_classes, embed_dim=config.embed_dim, depth=config.depth,
         num_heads=config.num_heads, mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm, drop_rate=config.drop_rate, drop_path_rate=config.drop_path_rate,
-        global_pool=config.global_pool, attn_layer=attn_layer, **config.timm_kwargs,
+        global_pool=config.global_pool, block_fn=partial(MoHBlock, layers=layers), **config.timm_kwargs,
     )
     assert all(isinstance(block.attn, MoHAttention) for block in model.blocks)
     if config.pretrained:
@@ -35,4 +36,25 @@ def create_vit(config: ViTConfig) -> VisionTransformer:
     return model
 
 
-__all__ = ["create_vit"]
+class MoHBlock(Block):
+    """timm's ``Block`` whose attention is the ``MoHAttention`` of its own layer, ``layers[depth]``.
+
+    timm hands every block its index (``depth``) but passes it on only to its own differential attention, so the
+    block picks its layer's head budget itself. timm's ``attn_layer`` is ignored: ``nn.Identity`` takes its place
+    in the parent's constructor (it accepts and ignores timm's arguments), then the MoH layer replaces it under the
+    same name, so the module order and the state dict are timm's.
+    """
+
+    def __init__(self, dim: int, num_heads: int, *, layers: Sequence[dict], depth: int = 0,
+                 qkv_bias: bool = False, qk_norm: bool = False, scale_attn_norm: bool = False,
+                 proj_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 norm_layer: type[nn.Module] = nn.LayerNorm, attn_layer: object = None, device=None, dtype=None,
+                 **kwargs) -> None:
+        attention = dict(qkv_bias=qkv_bias, qk_norm=qk_norm, proj_bias=proj_bias, attn_drop=attn_drop,
+                         proj_drop=proj_drop, norm_layer=norm_layer, device=device, dtype=dtype)
+        super().__init__(dim, num_heads, scale_attn_norm=scale_attn_norm, depth=depth, attn_layer=nn.Identity,
+                         **attention, **kwargs)
+        self.attn = MoHAttention(dim, num_heads, scale_norm=scale_attn_norm, **attention, **layers[depth])
+
+
+__all__ = ["MoHBlock", "create_vit"]
