@@ -22,7 +22,7 @@ A single decoding token (KV cache) reads only the cache rows of its selected hea
 matrix-vector products per selected (sequence, head) on views of the cache: gathering those rows first would copy
 more memory than dense attention reads. On other devices, where a Python loop over pairs and its host read would
 stall the device, the selected heads' queries and cache rows are gathered into one batched SDPA call
-(``_decode_batched``), with the number of active heads given by the layer so that nothing is read back.
+(``decode_batched``), with the number of active heads given by the layer so that nothing is read back.
 
 Pairs whose gate is zero are skipped; their gate receives no gradient. That matches the dense formulation
 exactly whenever the gate's own derivative is zero there, as for the learned router (its unselected gates
@@ -116,7 +116,7 @@ def head_sparse_attention(
     if length == 1 and head_mask is None and dropout_p == 0.0 and (not causal or offset + 1 >= k.shape[2]):
         if q.device.type == "cpu":
             return _decode_pairs(q, k, v, gates, kv_group, key_bias)           # sees every key
-        return _decode_batched(q, k, v, gates, kv_group, key_bias, active_heads)
+        return decode_batched(q, k, v, gates, kv_group, key_bias, active_heads)
     args = (causal, offset, key_bias, dropout_p)
     num_routed = num_heads - num_shared_heads
     # split, not slicing: backward then concatenates the groups' gradients instead of adding full-size ones.
@@ -429,7 +429,7 @@ def _decode_pairs(q, k, v, gates, kv_group, key_bias) -> torch.Tensor:
     return out[:, None]                                                            # (B, 1, h, d)
 
 
-def _decode_batched(q, k, v, gates, kv_group, key_bias, active_heads: int | None = None) -> torch.Tensor:
+def decode_batched(q, k, v, gates, kv_group, key_bias, active_heads: int | None = None) -> torch.Tensor:
     """One query per sequence, for devices where a loop over pairs stalls: the ``active_heads`` selected heads of
     each sequence (their queries and their cache rows, gathered) in one batched SDPA call, nothing read back to the
     host when ``active_heads`` is given. Heads whose gate is zero may fill the batch; their output is gated away.

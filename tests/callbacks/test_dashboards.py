@@ -180,6 +180,7 @@ def test_collapse_series_starts_at_the_first_collapse_and_the_summary_names_it(t
     assert "head 2 at step 4; head 3 at step 4" in summary and "(collapsed)" in summary
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_gets_heatmaps_tables_summary_metrics_and_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -207,6 +208,7 @@ def test_wandb_offline_run_gets_heatmaps_tables_summary_metrics_and_config(tmp_p
     assert (run_dir / "files" / "head_load" / "loads.json").is_file()  # uploaded with the run
 
 
+@pytest.mark.slow
 def test_mlflow_file_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
@@ -229,6 +231,7 @@ def test_mlflow_file_store_gets_step_images_metrics_params_and_text(tmp_path, mo
         assert any(path.startswith(f"images/{key}+step+") for path in images), key
 
 
+@pytest.mark.slow
 def test_head_figures_renders_pdf_and_png_from_a_run_folder(tmp_path):
     trainer = _fit(TinyTask(timesteps=True), CSVLogger(tmp_path, name="run", version=0), tmp_path)
     out = tmp_path / "figs"

@@ -234,7 +234,7 @@ def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_k
 def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, active):
     """The device path of decoding (one batched call over gathered heads, no loop, no host read when the layer
     gives its number of active heads) equals the CPU's per-pair path and the dense-and-mask formulation."""
-    from moh_lightning.layers.head_sparse_attention import _decode_batched, _decode_pairs
+    from moh_lightning.layers.head_sparse_attention import _decode_pairs, decode_batched
 
     generator = torch.Generator().manual_seed(7)
     q = torch.randn(3, 8, 1, 16, generator=generator)
@@ -249,7 +249,7 @@ def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, a
         padding[1, -7:] = False
         key_bias = torch.where(padding[:, None, None], 0.0, float("-inf"))
     group = 8 // num_kv_heads
-    batched = _decode_batched(q, k, v, gates, group, key_bias, active)
+    batched = decode_batched(q, k, v, gates, group, key_bias, active)
     torch.testing.assert_close(batched, _decode_pairs(q, k, v, gates, group, key_bias), **TOL)
     torch.testing.assert_close(batched, _reference(q, k, v, gates, True, 49, padding), **TOL)
 

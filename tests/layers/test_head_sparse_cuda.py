@@ -269,6 +269,7 @@ def test_cuda_sparse_compiles():
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow
 def test_bench_cuda_quick_writes_every_table(tmp_path):
     """The GPU report's harness, smoke-tested on the CPU (its head-sparse cells go through the CPU backend there)."""
     from moh_lightning.tools.bench.cuda import bench_cuda

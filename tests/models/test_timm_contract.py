@@ -19,6 +19,9 @@ from moh_lightning.models import transnext, vit
 
 MODULES = [module.__name__.rsplit(".", 1)[-1] for module in (vit, transnext)]
 NAMES = timm.list_models(module=MODULES)
+# The tracing tests (fx, export, TorchScript) take seconds a model: the fast subset keeps one model per family.
+FAST = {"moh_vit_small_patch16_224_75", "moh_transnext_micro_75", "transnext_micro"}
+TRACED = [pytest.param(name, marks=() if name in FAST else pytest.mark.slow) for name in NAMES]
 
 
 def _tiny(name: str) -> tuple[dict, int]:
@@ -41,6 +44,7 @@ def test_every_named_model_is_registered_with_timm():
     assert set(NAMES) == set(vit.NAMED_VITS) | set(transnext.NAMED_MODELS)
 
 
+@pytest.mark.slow
 def test_importing_the_package_registers_the_models():
     code = ("import moh_lightning, timm; timm.create_model('moh_vit_small_patch16_224_75'); "
             f"print(sorted(timm.list_models(module={MODULES!r})))")
@@ -97,7 +101,7 @@ def test_features_only_match_forward_intermediates(name):
         torch.testing.assert_close(out, intermediate, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", TRACED)
 def test_fx_forward_and_backward(name):
     model, x = _create(name, num_classes=7)
     graph = create_feature_extractor(model, {model.pretrained_cfg["classifier"]: "logits"})
@@ -118,7 +122,7 @@ def test_fx_forward_and_backward(name):
         torch.testing.assert_close(traced, getter, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", TRACED)
 def test_torch_export(name):
     model, x = _create(name)
     model.eval()
@@ -136,7 +140,7 @@ TORCHSCRIPT = ("MoHAttention is not TorchScript (its router's custom autograd fu
                "arguments); use torch.export")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", TRACED)
 @pytest.mark.xfail(raises=(RuntimeError, torch.jit.frontend.NotSupportedError), strict=True, reason=TORCHSCRIPT)
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_torchscript(name):

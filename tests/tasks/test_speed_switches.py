@@ -105,6 +105,7 @@ def test_checkpointed_blocks_run_plainly_without_autograd_and_survive_deepcopy()
         torch.testing.assert_close(copied(images), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_and_mask_layer_compiles_in_one_graph_with_equal_outputs_and_gradients(causal):
     torch.manual_seed(0)
@@ -136,6 +137,7 @@ def test_cpu_default_models_trace_without_graph_breaks(name):
     pop_load_balance_loss(model)
 
 
+@pytest.mark.slow
 def test_sparse_path_compiles_with_only_its_data_dependent_breaks():
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -164,6 +166,7 @@ class _TinyTask(MoHTask):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.slow
 def test_task_switches_compile_in_place_and_checkpoint_blocks_under_a_trainer(tmp_path):
     torch.manual_seed(0)
     task = _TinyTask(compile=True, activation_checkpointing=True)

@@ -56,6 +56,7 @@ def test_spatial_feature_is_mixed_6d_branch1x1_first_7_channels_hwc(inception_we
     torch.testing.assert_close(alone, spatial)
 
 
+@pytest.mark.slow
 def test_metrics_identity_perturbation_and_cache(inception_weights, tmp_path):
     reference = _digits(12, 1)
     same = compute_fidelity(reference, reference, "ref", inception_weights, batch_size=12, cache_root=str(tmp_path))
@@ -75,6 +76,7 @@ def test_metrics_identity_perturbation_and_cache(inception_weights, tmp_path):
         assert 0.0 <= score["precision"] <= 1.0 and 0.0 <= score["recall"] <= 1.0
 
 
+@pytest.mark.slow
 def test_fidelity_tool_on_npz_and_folder(inception_weights, tmp_path):
     from PIL import Image
 
@@ -114,6 +116,7 @@ def test_inception_score_equals_adms_evaluator_at_any_sample_count(n):
     assert mean == pytest.approx(float(golden[f"is_{n}"]), rel=2e-6)
 
 
+@pytest.mark.slow
 def test_fidelity_scores_is_on_the_inception_logits(inception_weights):
     """The IS of ``compute_fidelity`` is that of the network's unbiased logits (ADM's softmax input), not of the
     2048-d pool features."""

@@ -34,6 +34,7 @@ def _arch_without_moh(cli) -> dict:
     return arch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STUDIES)
 def test_every_study_cell_builds_the_budget_it_is_named_after(name):
     study = yaml.safe_load((config_dir() / "studies" / name).read_text())

@@ -11,10 +11,10 @@ import math
 
 import torch
 from timm.layers import DropPath, trunc_normal_
-from timm.models._features import feature_take_indices
 from torch import nn
 
 from moh_lightning.layers.moh_config import attention_layers
+from moh_lightning.models.timm_compat import feature_take_indices
 from moh_lightning.models.transnext.attention import (
     AggregatedAttention,
     TransNeXtAttention,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from moh_lightning.layers import KVCache
-from moh_lightning.layers.head_sparse_attention import _decode_batched, head_sparse_attention
+from moh_lightning.layers.head_sparse_attention import decode_batched, head_sparse_attention
 from moh_lightning.tools.bench.layer import execution_cells, execution_layers
 from moh_lightning.tools.bench.report import Report
 from moh_lightning.tools.bench.shapes import BATCH, HEAD_DIM, HEADS, SHARED, gates
@@ -29,7 +29,7 @@ def _core_fns(length: int, fractions: dict[str, int], device: torch.device) -> d
         if g is None:
             fns[name] = lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v)
         elif name.endswith("batched"):
-            fns[name] = lambda k=k, v=v, g=g: _decode_batched(q, k, v, g, 1, None, SHARED + fractions[first])
+            fns[name] = lambda k=k, v=v, g=g: decode_batched(q, k, v, g, 1, None, SHARED + fractions[first])
         else:
             # "all heads": every head through the sparse decoding, which separates its kernel from the
             # skipped heads.

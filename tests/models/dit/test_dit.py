@@ -182,6 +182,7 @@ def test_shipped_imagenet_configs_parse(path, capsys):
     assert "ClassConditionalDiffusion" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_fit_ema_checkpoint_sample_and_grid(run_dir):
     main(["fit", "--config", "dit_mnist_90", "--trainer.max_steps=3", "--trainer.max_time=null",
           "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--data.init_args.batch_size=8",

@@ -244,6 +244,7 @@ def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_pat
         export_timm(str(tmp_path / "lm.ckpt"), str(tmp_path / "x"))
 
 
+@pytest.mark.slow
 def test_named_transnext_configs_are_the_shipped_experiments():
     from moh_lightning.cli import MoHLightningCLI
 
