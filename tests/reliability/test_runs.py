@@ -26,7 +26,9 @@ def _fit(corpus: Path, *extra: str) -> None:
     sources = f"[{{path: {corpus}, pattern: '*.py', val_fraction: 0.3}}]"
     main(["fit", "--config", "llm_stdlib_75.yaml", "--data.init_args.sources", sources,
           "--model.init_args.max_tokens", "8192", "--data.init_args.batch_size", "4", "--data.init_args.seq_len", "64",
-          "--model.init_args.arch.block_size", "64", "--trainer.val_check_interval", "4",
+          "--model.init_args.arch.block_size", "64", "--model.init_args.arch.depth", "1",
+          "--model.init_args.arch.embed_dim", "64", "--model.init_args.arch.head_dim", "8",
+          "--model.init_args.arch.intermediate_size", "128", "--trainer.val_check_interval", "4",
           "--trainer.limit_val_batches", "1", "--checkpoint.every_n_train_steps", "4", *extra])
 
 
