@@ -16,9 +16,11 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import yaml
 from jsonargparse import CLI
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -177,17 +179,18 @@ class MoHLightningCLI(LightningCLI):
         from_command_line = args is None
         given = list(sys.argv[1:] if from_command_line else args)
         self.run_name = run_name(given)
-        super().__init__(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            parser_class=OneLineErrorParser,
-            trainer_defaults=TRAINER_DEFAULTS,
-            args=null_group_args(resolve_config_args(given)),
-            run=run,
-        )
+        with threads_restored():  # `before_fit` may set them for forked processes; this process keeps its own
+            super().__init__(
+                LightningModule,
+                LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                save_config_kwargs={"overwrite": True},
+                parser_class=OneLineErrorParser,
+                trainer_defaults=TRAINER_DEFAULTS,
+                args=null_group_args(resolve_config_args(given)),
+                run=run,
+            )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Sequence[str]) -> None:
         # ``args`` is this command line with its configs expanded, while sys.argv keeps what was typed: Lightning's
@@ -242,6 +245,42 @@ class MoHLightningCLI(LightningCLI):
             super().instantiate_classes()
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
             raise SystemExit(f"moh: {one_line_error(str(error))}") from None
+
+    def before_fit(self) -> None:
+        one_thread_per_forked_cpu_process(self.trainer)
+
+
+def one_thread_per_forked_cpu_process(trainer) -> None:
+    """CPU processes forked from this one (``ddp_fork``, ``ddp_notebook``) run one thread each, with a warning.
+
+    This process has run OpenMP threads (building the model), and GNU OpenMP is not fork-safe: a forked process that
+    runs more than one thread deadlocks at its first parallel operation, DDP's first broadcast, and never says why.
+    Lightning gives each process ``cores / processes`` threads unless ``OMP_NUM_THREADS`` is set, so it is set here.
+    """
+    launcher = trainer.strategy.launcher
+    forks = launcher is not None and launcher.is_interactive_compatible and trainer.num_devices > 1
+    if not forks or trainer.accelerator.__class__.__name__ != "CPUAccelerator":
+        return
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        print(f"moh: the {trainer.num_devices} CPU processes forked by trainer.strategy run one thread each (OpenMP "
+              "deadlocks in a process forked from a threaded one); trainer.strategy=ddp starts them afresh, "
+              "with OMP_NUM_THREADS threads each.", file=sys.stderr)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+@contextmanager
+def threads_restored() -> Iterator[None]:
+    """Puts this process's torch thread count and ``OMP_NUM_THREADS`` back as they were on the way out."""
+    threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if variable is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = variable
 
 
 # Messages a user of `moh` can do nothing about, each silenced by its text and the module that emits it:
