@@ -1,16 +1,13 @@
 """Two-process DDP on CPU (gloo): agrees with one process over the same data (load-balance loss, head loads,
-weights), and `moh fit --trainer.strategy ddp` trains every task."""
+weights), and `moh fit` trains every task under Lightning's DDP strategy."""
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import pythonpath, run_checkpoints
+from conftest import run_checkpoints
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -18,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from moh_lightning import MoHAttention, pop_load_balance_loss
 from moh_lightning.callbacks import HeadLoadCallback
+from moh_lightning.cli import main
 from moh_lightning.tasks import TASKS
 
 pytestmark = pytest.mark.distributed
@@ -90,7 +88,7 @@ def test_two_process_ddp_matches_one_process_loss_head_load_and_weights(tmp_path
 
 
 class RankState(Callback):
-    """Test helper loaded by the `moh` subprocesses (``tests/`` on PYTHONPATH): each rank saves its final weights."""
+    """Test helper named on the command line (test_distributed.RankState): each rank saves its final weights."""
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         torch.save(pl_module.state_dict(), f"rank{trainer.global_rank}.pt")
@@ -136,15 +134,11 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     config, overrides = DDP_TASKS[task]
     if task == "language_model":
         _write_text_corpus(run_dir / "corpus")
-    # Lightning's `ddp` strategy re-launches the command for rank 1, so `moh` runs as its own process.
-    args = [str(Path(sys.executable).with_name("moh")), "fit", "--config", f"{config}.yaml",
-            "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.max_steps=3",
-            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides,
-            "--trainer.callbacks+=test_distributed.RankState"]
-    result = subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Starting with 2 processes" in result.stdout + result.stderr
+    # Forked from this process (ddp_fork: Lightning's DDP strategy with the fork launcher), so no process imports
+    # the suite again; FSDP's test runs `moh` as its own processes, re-launched from the command line.
+    main(["fit", "--config", f"{config}.yaml", "--trainer.strategy=ddp_fork", "--trainer.devices=2",
+          "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
+          "--trainer.enable_progress_bar=false", *overrides, "--trainer.callbacks+=test_distributed.RankState"])
     # DDP keeps the replicas identical: both ranks end with the same weights, bit for bit, and they are finite.
     rank0, rank1 = (torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert rank0.keys() == rank1.keys()
