@@ -44,9 +44,11 @@ def test_a_first_fit_reads_cleanly_and_ends_with_a_summary(tmp_path):
     assert stdout.rstrip().endswith("tensorboard --logdir runs/vit_tiny_mnist_75"), "the summary comes last"
 
 
-def test_fast_dev_run_writes_nothing_in_the_working_folder(tmp_path):
-    _moh(tmp_path, "fit", "--config", "vit_tiny_mnist_75.yaml", "--trainer.fast_dev_run", "true")
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+def test_fast_dev_run_writes_nothing_in_the_working_folder(run_dir):
+    from moh_lightning.cli import main
+
+    main(["fit", "--config", "vit_tiny_mnist_75.yaml", "--trainer.fast_dev_run", "true"])
+    assert sorted(p.name for p in run_dir.iterdir()) == []
 
 
 def test_only_the_named_third_party_messages_are_silenced():
