@@ -6,8 +6,8 @@ from pathlib import Path
 
 ROOT = Path(sys.argv[1])
 LOSS = "moh_lightning/diffusion/gaussian_diffusion.py"
-FID = "moh_lightning/tools/fidelity.py"
-LOSS_TESTS, FID_TESTS = "tests/diffusion/test_gaussian_diffusion.py", "tests/tools/test_fidelity.py"
+FID = "moh_lightning/metrics/fidelity.py"
+LOSS_TESTS, FID_TESTS = "tests/diffusion/test_gaussian_diffusion.py", "tests/metrics/test_fidelity.py"
 CASES = {  # name: (file, [(original text, broken text)], test file)
     "a": (LOSS, [("_discretized_gaussian_log_likelihood(x0, model_mean",
                   "_discretized_gaussian_log_likelihood(x_t, model_mean")], LOSS_TESTS),

@@ -92,8 +92,8 @@ class SampleGridCallback(Callback):
         return x.float().clamp(-1, 1).cpu()
 
     def _log_fid(self, trainer: Trainer, task: LightningModule, pl_module: LightningModule) -> None:
+        from moh_lightning.metrics.fidelity import compute_fidelity, load_images
         from moh_lightning.tasks.diffusion import to_uint8
-        from moh_lightning.tools.fidelity import compute_fidelity, load_images
 
         if self._reference is None:
             self._reference = load_images(self.fid_reference, "fid_reference")

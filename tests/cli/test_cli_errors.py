@@ -6,7 +6,7 @@ import pytest
 
 from moh_lightning.cli import main
 from moh_lightning.data.latents import LatentDataModule
-from moh_lightning.tools.fidelity import compute_fidelity
+from moh_lightning.metrics.fidelity import compute_fidelity
 
 
 def _error(call) -> str:

@@ -1,5 +1,5 @@
 """Details where the suite follows its references exactly: ADM's sampling steps, DiT's guided channels, transformers'
-rotary embedding in bf16. (ADM's IS splits: tests/tools/test_fidelity.py, against its evaluator's output.)"""
+rotary embedding in bf16. (ADM's IS splits: tests/metrics/test_fidelity.py, against its evaluator's output.)"""
 from __future__ import annotations
 
 import pytest

@@ -13,7 +13,7 @@ from torch import nn
 from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
 from moh_lightning.cli import main
-from moh_lightning.tools.fidelity import (
+from moh_lightning.metrics.fidelity import (
     SFID_FEATURE,
     SpatialInceptionV3,
     compute_fidelity,

@@ -1,0 +1,1 @@
+"""Metrics of generated samples that training callbacks and the commands share."""
