@@ -1,30 +1,314 @@
-"""Exact resume of the DiT and LM tasks: a fit stopped mid-epoch and resumed from `last` equals the uninterrupted fit.
+"""Exact resume: a run stopped mid-epoch and resumed from `last` equals the uninterrupted run, batch for batch, loss for
+loss and bit for bit in its final weights.
 
-Each task runs a tiny override of its CPU default three times in deterministic mode: uninterrupted, stopped (a crash
-before step 7, a crash in the validation after step 6, or max_steps 5), and resumed with ``moh fit --ckpt_path last``.
-Epochs are 4 batches, validation runs every 2 and checkpoints every 3 steps, so the crash before step 7 resumes from
-the step-6 checkpoint written after that validation, the crash in it from step 3, and every resume continues
-mid-epoch and across an epoch boundary.
+1. The ViT runs are the embedded ViT shrunk to seconds (one block, 16 images a batch, 5 batches an epoch, 7 steps,
+   every random augmentation on, 2 loader workers, checkpoints every 3 steps), so a stop at step 5 resumes mid-epoch 0
+   from the step-3 checkpoint and continues across the epoch boundary. They are stopped by a crash (and resumed past
+   a truncated `last.ckpt` and a damaged step checkpoint), by SIGKILL on every DDP process (2 forked gloo processes;
+   also the DiT default shrunk the same way) and by SIGTERM inside a step or a validation. One uninterrupted run is
+   the reference for all of them, one uninterrupted 2-process run for DDP (validation changes no training draw:
+   ``ExactResumeCallback`` puts the random states back after it).
+2. The DiT and LM runs are a tiny override of each task's CPU default, run three times in deterministic mode:
+   uninterrupted, stopped (a crash before step 7, a crash in the validation after step 6, or max_steps 5), and resumed
+   with ``moh fit --ckpt_path last``. Epochs are 4 batches, validation runs every 2 and checkpoints every 3 steps, so
+   the crash before step 7 resumes from the step-6 checkpoint written after that validation, the crash in it from
+   step 3, and every resume continues mid-epoch and across an epoch boundary.
 """
+from __future__ import annotations
+
+import hashlib
+import json
 import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_checkpoints
+from conftest import pythonpath, run_checkpoints
 from faults import CrashAtStep, CrashInValidation
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_checkpoint_files import _load, _scramble, _truncate
 
+from moh_lightning.callbacks import StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
-from moh_lightning.cli import MoHLightningCLI
+from moh_lightning.cli import MoHLightningCLI, main
 from moh_lightning.configs import resolve_config
 
 pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def _working_folder(folder: Path) -> Iterator[None]:
+    folder.mkdir(exist_ok=True)
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+# 1. The ViT runs ----------------------------------------------------------------------------------------------------
+
+VIT_STEPS = 7
+VIT = ["--config", "vit_tiny_mnist_75.yaml", f"--trainer.max_steps={VIT_STEPS}", "--trainer.limit_train_batches=5",
+       "--trainer.limit_val_batches=0", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
+       "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+       "--model.init_args.arch.depth=1", "--data.init_args.batch_size=16", "--data.init_args.num_workers=2",
+       "--data.init_args.auto_augment=rand-m5-mstd0.5-inc1", "--data.init_args.re_prob=0.25",
+       "--model.init_args.mixup_alpha=0.2", "--model.init_args.mixup_prob=0.5",
+       "--checkpoint.every_n_train_steps=3", "--trainer.callbacks+=test_exact_resume.RecordBatches"]
+RUN = Path("runs") / "vit_tiny_mnist_75"
+MOH = str(Path(sys.executable).with_name("moh"))
+
+
+class RecordBatches(Callback):
+    """Appends each training step's batch (a hash of its images and labels) to ``batches.jsonl`` in the working dir."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.is_global_zero:
+            digest = hashlib.sha256(batch[0].numpy().tobytes() + batch[1].numpy().tobytes()).hexdigest()
+            with open("batches.jsonl", "a") as file:
+                file.write(json.dumps({"step": trainer.global_step, "batch": digest}) + "\n")
+
+
+class SignalWindow(Callback):
+    """Writes ``in_step_4`` when step 4 starts and lingers there 2 s: a window for a signal sent from outside."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == 3:
+            Path("in_step_4").touch()
+            time.sleep(2)
+
+
+class SigtermInValidation(Callback):
+    """Sends its own process SIGTERM during the first batch of the validation after step ``step``.
+
+    Every validation batch also draws from the global random streams, as DiT's validation (noise, timesteps) does.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
+        torch.rand(3), random.random(), np.random.rand()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        if trainer.global_step == self.step and batch_idx == 0 and not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class KillAtStep(Callback):
+    """SIGKILLs its own process before training step ``step``, on every rank: a machine lost mid-epoch."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _batches(folder: Path) -> dict[int, str]:
+    """The batch of each step; a resumed run's record of a step overrides the stopped run's (they must agree)."""
+    seen: dict[int, str] = {}
+    for line in (folder / "batches.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert seen.get(record["step"], record["batch"]) == record["batch"], f"step {record['step']} redone otherwise"
+        seen[record["step"]] = record["batch"]
+    return seen
+
+
+def _losses(folder: Path, run: Path = RUN) -> dict[int, float]:
+    values = {}
+    for version in sorted((folder / run).glob("version_*")):
+        events = EventAccumulator(str(version), size_guidance={"scalars": 0}).Reload()
+        if "train/loss" in events.Tags()["scalars"]:
+            values.update({event.step: event.value for event in events.Scalars("train/loss")})
+    return values
+
+
+def _checkpoints(folder: Path, run: Path = RUN) -> Path:
+    return folder / run / "version_0" / "checkpoints"
+
+
+def _assert_same_run(expected: Path, actual: Path, run: Path = RUN) -> None:
+    """The same batch at every step, the same logged losses and bit-identical final weights."""
+    assert _batches(actual) == _batches(expected) and sorted(_batches(expected)) == list(range(VIT_STEPS))
+    assert _losses(actual, run) == _losses(expected, run) and len(_losses(expected, run)) == VIT_STEPS
+    want, got = _load(_checkpoints(expected, run) / "last.ckpt"), _load(_checkpoints(actual, run) / "last.ckpt")
+    assert got["global_step"] == want["global_step"] == VIT_STEPS
+    assert want["state_dict"].keys() == got["state_dict"].keys()
+    for name, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], value), name
+
+
+def _fit(folder: Path, *args: str, base: list[str] = VIT) -> None:
+    with _working_folder(folder):
+        main(["fit", *base, *args])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("vit") / "uninterrupted"
+    _fit(folder)
+    return folder
+
+
+# Resumed past checkpoints that do not load (see test_checkpoint_files.py for the files themselves)
+
+def test_moh_fit_resumes_past_a_truncated_last_and_a_corrupt_step_checkpoint_exactly(uninterrupted, tmp_path):
+    folder = tmp_path / "corrupt"
+    with pytest.raises(RuntimeError, match="injected crash at step 6"):
+        _fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=6")
+    checkpoints = _checkpoints(folder)
+    _truncate(checkpoints / "last.ckpt")  # a copy cut short
+    _scramble(checkpoints / "step=0000006.ckpt")  # a damaged archive
+    with pytest.warns(UserWarning) as warned:
+        _fit(folder, "--ckpt_path", "last")
+    moved = [str(w.message) for w in warned if "does not load" in str(w.message)]
+    assert len(moved) == 2 and "last.ckpt" in moved[0] and "step=0000006.ckpt" in moved[1]
+    assert "resuming from the next newest" in moved[1] and moved[1].endswith("step=0000003.ckpt.")
+    assert len(list(checkpoints.glob("*.corrupt-*"))) == 2
+    _assert_same_run(uninterrupted, folder)
+
+
+# Exact resume with loader workers
+
+def test_resume_mid_epoch_with_two_loader_workers_draws_the_same_augmented_batches(uninterrupted, tmp_path):
+    folder = tmp_path / "workers"
+    keep = "--checkpoint.keep=1"  # the newest step checkpoint only, plus last.ckpt
+    with pytest.raises(RuntimeError, match="injected crash at step 5"):
+        _fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=5", keep)
+    checkpoints = _checkpoints(folder)
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
+    _fit(folder, "--ckpt_path", "last", keep)  # from step 3, mid-epoch 0, with each worker's random states
+    # keep=1 newest step checkpoint (step 6 replaced step 3, across the resume), and last.ckpt written at the end of
+    # fit (step 7 is not a multiple of 3)
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
+    _assert_same_run(uninterrupted, folder)
+
+
+def test_dit_latent_flips_drawn_in_workers_resume_where_the_loader_stopped():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from moh_lightning.data.latents import LatentDataset
+
+    latents = np.stack([np.zeros((64, 1, 2, 2)), np.ones((64, 1, 2, 2))], axis=1)  # (N, view, C, h, w)
+    dataset = LatentDataset(latents.astype(np.float16), np.arange(64), flip=True)  # item: 0 as is, 1 flipped
+
+    def loader() -> StatefulDataLoader:
+        torch.manual_seed(0)
+        return StatefulDataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+
+    def flips(iterator, n: int) -> list[list[int]]:
+        return [next(iterator)[0][:, 0, 0, 0].int().tolist() for _ in range(n)]
+
+    running = loader()
+    iterator = iter(running)
+    flips(iterator, 3)
+    state = running.state_dict()
+    expected = flips(iterator, 5)
+    assert any(0 < sum(batch) < 4 for batch in expected)  # the flips are random draws
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert flips(iter(resumed), 5) == expected
+
+
+# DDP: every process killed mid-epoch
+
+# Two gloo processes forked from this one (Lightning's ddp_fork: the same DDP training as `--trainer.strategy ddp`,
+# without importing torch twice more), each with its 2 loader workers and its own half of every batch.
+DDP = ["--trainer.strategy=ddp_fork", "--trainer.devices=2", "--trainer.accelerator=cpu"]
+
+
+@pytest.fixture(scope="module")
+def ddp_uninterrupted(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("vit_ddp") / "uninterrupted"
+    _fit(folder, *DDP)
+    return folder
+
+
+def test_ddp_run_killed_mid_epoch_resumes_to_the_same_weights_as_the_uninterrupted_ddp_run(ddp_uninterrupted,
+                                                                                             tmp_path):
+    folder = tmp_path / "killed"
+    with pytest.raises(Exception, match="terminated with signal SIGKILL"):
+        _fit(folder, *DDP, "--trainer.callbacks+=test_exact_resume.KillAtStep", "--trainer.callbacks.step=5")
+    assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 3
+    _fit(folder, *DDP, "--ckpt_path", "last")
+    _assert_same_run(ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
+
+
+# The DiT default shrunk the same way (2 blocks of width 64, 8 digits a batch; without its EMA and sample grids).
+DDP_DIT = ["--config", "dit_mnist_90.yaml", f"--trainer.max_steps={VIT_STEPS}", "--trainer.limit_train_batches=5",
+           "--trainer.limit_val_batches=0", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
+           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.callbacks=[]",
+           "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
+           "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
+           "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8", "--checkpoint.every_n_train_steps=3",
+           "--trainer.callbacks+=test_exact_resume.RecordBatches", *DDP]
+
+
+def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
+    _fit(tmp_path / "uninterrupted", base=DDP_DIT)
+    folder = tmp_path / "killed"
+    with pytest.raises(Exception, match="terminated with signal SIGKILL"):
+        _fit(folder, "--trainer.callbacks+=test_exact_resume.KillAtStep", "--trainer.callbacks.step=5", base=DDP_DIT)
+    _fit(folder, "--ckpt_path", "last", base=DDP_DIT)
+    _assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_90")
+
+
+# SIGTERM
+
+def _moh(folder: Path, *args: str) -> subprocess.Popen:
+    folder.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    return subprocess.Popen([MOH, "fit", *VIT, *args], cwd=folder, env=env, stdout=open(folder / "out.txt", "w"),
+                            stderr=open(folder / "err.txt", "w"))
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_non_zero_and_resumes_exactly(uninterrupted, tmp_path):
+    folder = tmp_path / "sigterm"
+    run = _moh(folder, "--trainer.callbacks+=test_exact_resume.SignalWindow")
+    deadline = time.monotonic() + 300
+    while not (folder / "in_step_4").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)  # as `kill`, a container stop or a cloud preemption does, inside step 4
+    assert run.wait(timeout=120) == StepCheckpoint.EXIT_CODE == 143
+    lines = (folder / "err.txt").read_text().splitlines()
+    assert [line for line in lines if line.startswith("moh: ")] == [
+        f"moh: stopped by SIGTERM after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. Continue "
+        f"with the same command and --ckpt_path last."], lines[-20:]
+    # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
+    assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 4
+    _fit(folder, "--ckpt_path", "last")
+    _assert_same_run(uninterrupted, folder)
+
+
+def test_sigterm_during_a_validation_saves_the_step_before_it_and_resumes_exactly(uninterrupted, tmp_path):
+    folder = tmp_path / "sigterm_in_validation"
+    validation = ["--trainer.limit_val_batches=2", "--trainer.val_check_interval=2",
+                  "--trainer.check_val_every_n_epoch=null"]
+    with pytest.raises(SystemExit) as stop:
+        _fit(folder, *validation, "--trainer.callbacks+=test_exact_resume.SigtermInValidation",
+             "--trainer.callbacks.step=4")
+    assert stop.value.code == 143
+    assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 4
+    _fit(folder, *validation, "--ckpt_path", "last")
+    _assert_same_run(uninterrupted, folder)
+
+
+# 2. The DiT and LM runs ---------------------------------------------------------------------------------------------
 
 STEPS = 9
 COMMON = ["--trainer.deterministic=true", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",
@@ -57,17 +341,6 @@ class RecordTokens(Callback):
         self.seen[trainer.global_step] = batch["tokens"].clone()
 
 
-@contextmanager
-def _working_folder(folder: Path) -> Iterator[None]:
-    folder.mkdir(exist_ok=True)
-    previous = Path.cwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
 class _FitWith(MoHLightningCLI):
     """`moh fit` with test callbacks (crashes, recorders) added to the trainer's own before fit starts."""
 
@@ -79,8 +352,8 @@ class _FitWith(MoHLightningCLI):
         self.trainer.callbacks.extend(self.extra)
 
 
-def _fit(folder: Path, args: list[str], callbacks: list[dict], *extra: Callback, max_steps: int = STEPS,
-         ckpt_path: str | None = None) -> MoHLightningCLI:
+def _fit_with(folder: Path, args: list[str], callbacks: list[dict], *extra: Callback, max_steps: int = STEPS,
+              ckpt_path: str | None = None) -> MoHLightningCLI:
     """One `moh fit` of ``args`` with ``callbacks`` instead of the config's (besides the always-on ones), in
     ``folder``."""
     with _working_folder(folder):
@@ -93,16 +366,16 @@ def _fit(folder: Path, args: list[str], callbacks: list[dict], *extra: Callback,
 
 def _stop_and_resume(folder: Path, how: str, args: list[str], callbacks: list[dict],
                      *extra: Callback) -> MoHLightningCLI:
-    """A fit stopped mid-epoch (see the module docstring), then resumed from `last` up to STEPS."""
+    """A fit stopped mid-epoch (see the module docstring, 2.), then resumed from `last` up to STEPS."""
     if how == "crash":
         with pytest.raises(RuntimeError, match="injected crash at step 7"):
-            _fit(folder, args, callbacks, CrashAtStep(7), *extra)
+            _fit_with(folder, args, callbacks, CrashAtStep(7), *extra)
     elif how == "crash in validation":
         with pytest.raises(RuntimeError, match="injected crash in the validation at step 6"):
-            _fit(folder, args, callbacks, CrashInValidation(6), *extra)
+            _fit_with(folder, args, callbacks, CrashInValidation(6), *extra)
     else:
-        _fit(folder, args, callbacks, *extra, max_steps=5)
-    resumed = _fit(folder, args, callbacks, *extra, ckpt_path="last")
+        _fit_with(folder, args, callbacks, *extra, max_steps=5)
+    resumed = _fit_with(folder, args, callbacks, *extra, ckpt_path="last")
     assert Path(resumed.trainer.ckpt_path).name == "last.ckpt"  # continued from the stopped run, not restarted
     assert resumed.trainer.global_step == STEPS
     assert isinstance(resumed.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
@@ -134,7 +407,7 @@ def _last(folder: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def dit_uninterrupted(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("dit") / "uninterrupted"
-    _fit(folder, DIT, [EMA])
+    _fit_with(folder, DIT, [EMA])
     return folder
 
 
@@ -178,7 +451,7 @@ def lm_args(tmp_path_factory) -> list[str]:
 def lm_uninterrupted(tmp_path_factory, lm_args) -> tuple[Path, dict[int, torch.Tensor]]:
     folder = tmp_path_factory.mktemp("lm_run") / "uninterrupted"
     tokens = RecordTokens()
-    _fit(folder, lm_args, [], tokens)
+    _fit_with(folder, lm_args, [], tokens)
     return folder, tokens.seen
 
 
