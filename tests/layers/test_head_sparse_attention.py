@@ -69,8 +69,9 @@ def test_sparse_equals_dense_forward_backward(case):
     assert any("router" in name for name in grads_d)
 
 
-def _reference(q, k, v, gates, causal, offset, key_padding_mask):
-    """The dense-and-mask formulation: SDPA over every head with an explicit mask, times the gates."""
+def dense_and_mask(q, k, v, gates, causal=False, offset=0, key_padding_mask=None):
+    """The dense-and-mask formulation: SDPA over every head with an explicit mask, times the gates; (B, N, h, d).
+    The oracle of the CPU and the CUDA head-sparse tests."""
     length, num_keys = q.shape[2], k.shape[2]
     allowed = torch.ones(q.shape[0], 1, length, num_keys, dtype=torch.bool)
     if causal:
@@ -100,7 +101,7 @@ def test_core_equals_dense_and_mask(length, num_keys, num_kv_heads, causal, padd
         padding[0, -3:] = False
     offset = num_keys - length
     out = head_sparse_attention(q, k, v, gates, 2, causal=causal, offset=offset, key_padding_mask=padding)
-    ref = _reference(q, k, v, gates, causal, offset, padding)
+    ref = dense_and_mask(q, k, v, gates, causal, offset, padding)
     torch.testing.assert_close(out, ref, **TOL)
     weight = torch.randn(ref.shape, generator=generator)
     grads = torch.autograd.grad((out * weight).sum(), (q, k, v, gates))
@@ -221,7 +222,7 @@ def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_k
     offset = num_keys - length
     out = head_sparse_attention(q, k, v, gates, 2, causal=True, offset=offset)
     assert plans and sum(first > 0 for _, _, first, _ in plans[0]) >= 2   # several blocks with unmasked keys
-    ref = _reference(q, k, v, gates, True, offset, None)
+    ref = dense_and_mask(q, k, v, gates, True, offset, None)
     torch.testing.assert_close(out, ref, **TOL)
     weight = torch.randn(ref.shape, generator=generator)
     grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
@@ -251,7 +252,7 @@ def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, a
     group = 8 // num_kv_heads
     batched = decode_batched(q, k, v, gates, group, key_bias, active)
     torch.testing.assert_close(batched, _decode_pairs(q, k, v, gates, group, key_bias), **TOL)
-    torch.testing.assert_close(batched, _reference(q, k, v, gates, True, 49, padding), **TOL)
+    torch.testing.assert_close(batched, dense_and_mask(q, k, v, gates, True, 49, padding), **TOL)
 
 
 def test_auto_on_cuda_follows_the_cuda_table(threads, monkeypatch):

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_head_sparse_attention import dense_and_mask
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from moh_lightning.layers import MoHAttention
@@ -56,18 +57,6 @@ def flex_reference(q, k, v, block_mask, enable_gqa=False):
         allowed |= visited(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=enable_gqa)
     return torch.where(allowed.any(-1, keepdim=True), out, 0.0)
-
-
-def reference(q, k, v, gates, causal=False, offset=0, key_padding_mask=None):
-    """Dense-and-mask: SDPA over every head with an explicit mask, times the gates; (B, N, h, d)."""
-    length, num_keys = q.shape[2], k.shape[2]
-    allowed = torch.ones(q.shape[0], 1, length, num_keys, dtype=torch.bool)
-    if causal:
-        allowed &= torch.arange(num_keys) <= torch.arange(length)[:, None] + offset
-    if key_padding_mask is not None:
-        allowed &= key_padding_mask[:, None, None, :num_keys]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-    return out.transpose(1, 2) * gates[..., None]
 
 
 def _inputs(length, num_keys, num_kv_heads, top_k, dtype=torch.float32, seed=0, heads=8, shared=2):
@@ -120,7 +109,7 @@ def test_bidirectional_varlen_layout_equals_dense_and_mask(num_kv_heads, top_k, 
         return varlen_reference(*args, **kwargs)
 
     out = head_sparse_attention_cuda(q, k, v, gates, 2, active_heads=2 + top_k if budget else None, varlen=varlen)
-    ref = reference(*(t.float() for t in (q, k, v, gates)))
+    ref = dense_and_mask(*(t.float() for t in (q, k, v, gates)))
     group = 8 // num_kv_heads
     routed_kv_heads = 6 // group if 2 % group == 0 else 6        # else each routed head gets its kv head copied
     assert len(calls) == 1 and len(calls[0]) == 2 * routed_kv_heads + 1
@@ -170,7 +159,7 @@ def test_causal_flex_layout_equals_dense_and_mask(monkeypatch, length, num_keys,
                                      flex=flex_reference)
     assert blocks and blocks[0].kv_num_blocks.sum() + blocks[0].full_kv_num_blocks.sum() < \
         blocks[0].kv_indices.shape[-1] * blocks[0].kv_num_blocks.numel()           # key blocks were skipped
-    ref = reference(q, k, v, gates, True, offset, padding)
+    ref = dense_and_mask(q, k, v, gates, True, offset, padding)
     _assert_equal_with_gradients(out, ref, (q, k, v, gates), atol=1e-5)
 
 
@@ -183,11 +172,11 @@ def test_causal_and_decoding_with_flex_attention_forward_on_the_cpu(num_kv_heads
         padding = torch.ones(2, 150, dtype=torch.bool)
         padding[0, -25:] = False
     out = head_sparse_attention_cuda(q, k, v, gates, 2, causal=True, key_padding_mask=padding, flex=flex_attention)
-    torch.testing.assert_close(out, reference(q, k, v, gates, True, 0, padding), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, dense_and_mask(q, k, v, gates, True, 0, padding), atol=1e-5, rtol=0)
     last = q[:, :, -1:], gates[:, -1:]
     out = head_sparse_attention_cuda(last[0], k, v, last[1], 2, causal=True, offset=149, key_padding_mask=padding,
                                      flex=flex_attention)
-    torch.testing.assert_close(out, reference(last[0], k, v, last[1], True, 149, padding), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, dense_and_mask(last[0], k, v, last[1], True, 149, padding), atol=1e-5, rtol=0)
 
 
 def test_decode_block_mask_reads_only_selected_heads():
@@ -200,7 +189,7 @@ def test_decode_block_mask_reads_only_selected_heads():
 def test_decoding_through_the_block_mask_equals_dense_and_mask(num_kv_heads):
     q, k, v, gates = _inputs(1, 90, num_kv_heads, 2)
     out = head_sparse_attention_cuda(q, k, v, gates, 2, causal=True, offset=89, flex=flex_reference)
-    _assert_equal_with_gradients(out, reference(q, k, v, gates, True, 89, None), (q, k, v, gates), atol=1e-5)
+    _assert_equal_with_gradients(out, dense_and_mask(q, k, v, gates, True, 89, None), (q, k, v, gates), atol=1e-5)
 
 
 # On a GPU: the real kernels through MoHAttention, execution sparse against dense, in bf16.
