@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lm_eval_tasks import write_tasks
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from moh_lightning.cli import main as moh
@@ -22,10 +23,6 @@ from moh_lightning.tasks.language_model import LanguageModel
 ARCH = {"vocab_size": 259, "depth": 3, "embed_dim": 64, "num_heads": 8, "head_dim": 8, "num_kv_heads": 4,
         "intermediate_size": 96, "block_size": 64}
 BUDGET = {"num_shared_heads": [2, 0, 8], "top_k": [3, 2, 0]}
-QUESTIONS = [{"question": "the cat sat on the", "choices": [" mat", " sky"], "answer": 0},
-             {"question": "the dog sat on the", "choices": [" rug", " mat"], "answer": 1},
-             {"question": "a cat and a", "choices": [" dog", " mat"], "answer": 0}]
-
 
 def _sharpen_routers(model: MoHLlama) -> None:
     """Router weights of unit scale, so gates differ clearly from uniform and top-k choices vary by token."""
@@ -56,12 +53,7 @@ def learned(tmp_path_factory) -> Path:
     trainer.save_checkpoint(root / "learned.ckpt")
     moh(["export-hf", "--checkpoint", str(root / "learned.ckpt"), "--out", str(root / "hf")])
 
-    (root / "data.jsonl").write_text("\n".join(json.dumps(q) for q in QUESTIONS))
-    (root / "tasks").mkdir()
-    (root / "tasks" / "tiny_choice.yaml").write_text(
-        f"task: tiny_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'data.jsonl'}\n"
-        'test_split: test\noutput_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
-        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
+    write_tasks(root)
     return root
 
 

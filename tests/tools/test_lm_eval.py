@@ -8,16 +8,13 @@ import lightning as L
 import pytest
 import torch
 from lm_eval.api.instance import Instance
+from lm_eval_tasks import QUESTIONS, write_tasks
 from tiny_models import tiny_llama_config
 
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule, TextSource
 from moh_lightning.tasks.language_model import LanguageModel
 from moh_lightning.tools.lm_eval import MoHLM
-
-QUESTIONS = [{"question": "the cat sat on the", "choices": [" mat", " sky"], "answer": 0},
-             {"question": "the dog sat on the", "choices": [" rug", " mat"], "answer": 1},
-             {"question": "a cat and a", "choices": [" dog", " mat"], "answer": 0}]
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +35,7 @@ def workspace(tmp_path_factory) -> Path:
     trainer.save_checkpoint(root / "tiny.ckpt")
     moh(["export-hf", "--checkpoint", str(root / "tiny.ckpt"), "--out", str(root / "hf")])
 
-    (root / "data.jsonl").write_text("\n".join(json.dumps(q) for q in QUESTIONS))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'data.jsonl'}\ntest_split: test\n"
-    (root / "tasks").mkdir()
-    (root / "tasks" / "tiny_choice.yaml").write_text(
-        "task: tiny_choice\n" + common + 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
-        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
-    (root / "tasks" / "tiny_gen.yaml").write_text(
-        "task: tiny_gen\n" + common + 'output_type: generate_until\ndoc_to_text: "{{question}}"\n'
-        'doc_to_target: " mat"\ngeneration_kwargs:\n  until: ["."]\n  max_gen_toks: 5\n'
-        "metric_list:\n  - metric: exact_match\n")
+    write_tasks(root, generation=True)
     return root
 
 

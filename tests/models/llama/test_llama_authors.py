@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from golden import load_golden, prefixed
+from lm_eval_tasks import write_tasks
 from safetensors.torch import save_file
 from tiny_models import tiny_llama_config
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
@@ -25,9 +26,6 @@ GOLDEN, GOLDEN_META = load_golden("moh_llama")
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "auto_map": {
           "AutoModelForCausalLM": "modeling_llama.LlamaForCausalLM"}, **GOLDEN_META["spec"], "rope_scaling": None,
           "attention_dropout": 0.0, "pretraining_tp": 1, "torch_dtype": "float32"}
-QUESTIONS = [{"question": "the cat sat on the", "choices": [" mat", " sky"], "answer": 0},
-             {"question": "a cat and a", "choices": [" dog", " mat"], "answer": 0}]
-
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
@@ -128,12 +126,7 @@ def test_load_authors_llama_writes_what_lm_eval_and_transformers_read(release, t
     with torch.no_grad():
         torch.testing.assert_close(task.model(idx), expected, atol=1e-5, rtol=1e-5)
 
-    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(q) for q in QUESTIONS))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "tiny_choice.yaml").write_text(
-        f"task: tiny_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\n"
-        'test_split: test\noutput_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
-        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
+    write_tasks(tmp_path)
     moh(["lm-eval", "--checkpoint", str(tmp_path / "authors.ckpt"), "--tasks", "[tiny_choice]", "--include_path",
          str(tmp_path / "tasks"), "--include_defaults", "false", "--batch_size", "2", "--output",
          str(tmp_path / "results.json")])
