@@ -25,3 +25,17 @@ def load_golden(name: str) -> tuple[dict[str, torch.Tensor], dict]:
 def prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The entries under ``prefix.``, without it (``weights.`` holds a state dict under the authors' names)."""
     return {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(prefix + ".")}
+
+
+def authors_router_shapes(prefix: str, heads: int, shared: int, routed: int, dim: int) -> dict[str, tuple[int, int]]:
+    """The router weights of one MoH layer as SkyworkAI/MoH's DiT and TransNeXt create them: ``wg`` scores the routed
+    heads (when any is routed), ``wg_0`` weighs the shared and routed groups (when both exist), ``wg_1`` scores the
+    shared heads (when more than one)."""
+    shapes = {}
+    if routed > 0:
+        shapes[prefix + "wg.weight"] = (heads - shared, dim)
+        if shared > 0:
+            shapes[prefix + "wg_0.weight"] = (2, dim)
+    if shared > 1:
+        shapes[prefix + "wg_1.weight"] = (shared, dim)
+    return shapes

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
-from golden import load_golden, prefixed
+from golden import authors_router_shapes, load_golden, prefixed
 
 from moh_lightning.cli import main as moh
 from moh_lightning.diffusion import GaussianDiffusionLoss
@@ -53,12 +53,7 @@ def authors_shapes(m: dict) -> dict[str, tuple[int, ...]]:
                        b + "mlp.fc1.weight": (4 * dim, dim), b + "mlp.fc1.bias": (4 * dim,),
                        b + "mlp.fc2.weight": (dim, 4 * dim), b + "mlp.fc2.bias": (dim,),
                        b + "adaLN_modulation.1.weight": (6 * dim, dim), b + "adaLN_modulation.1.bias": (6 * dim,)})
-        if routed > 0:
-            shapes[b + "attn.wg.weight"] = (h - shared, dim)
-            if shared > 0:
-                shapes[b + "attn.wg_0.weight"] = (2, dim)
-        if shared > 1:
-            shapes[b + "attn.wg_1.weight"] = (shared, dim)
+        shapes |= authors_router_shapes(b + "attn.", h, shared, routed, dim)
     shapes.update({"final_layer.linear.weight": (out_width, dim), "final_layer.linear.bias": (out_width,),
                    "final_layer.adaLN_modulation.1.weight": (2 * dim, dim),
                    "final_layer.adaLN_modulation.1.bias": (2 * dim,)})

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from golden import load_golden, prefixed
+from golden import authors_router_shapes, load_golden, prefixed
 
 from moh_lightning.layers import MoHAttention
 from moh_lightning.models.transnext import (
@@ -56,12 +56,7 @@ def authors_shapes(spec: dict, moh: bool = True) -> dict[str, tuple]:
                        b + "attn.cpb_fc2.weight": (heads, CPB_HIDDEN), b + "attn.cpb_fc2.bias": (heads,)}
             if moh:
                 shared, routed = spec["shared"][i - 1], spec["routed"][i - 1]
-                if routed > 0:
-                    shapes[b + "attn.wg.weight"] = (heads - shared, dim)
-                    if shared > 0:
-                        shapes[b + "attn.wg_0.weight"] = (2, dim)
-                if shared > 1:
-                    shapes[b + "attn.wg_1.weight"] = (shared, dim)
+                shapes |= authors_router_shapes(b + "attn.", heads, shared, routed, dim)
             shapes |= {b + "norm2.weight": (dim,), b + "norm2.bias": (dim,), b + "mlp.fc1.weight": (2 * hidden, dim),
                        b + "mlp.fc1.bias": (2 * hidden,), b + "mlp.dwconv.dwconv.weight": (hidden, 1, 3, 3),
                        b + "mlp.dwconv.dwconv.bias": (hidden,), b + "mlp.fc2.weight": (dim, hidden),
