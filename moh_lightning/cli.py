@@ -24,6 +24,7 @@ import torch
 import yaml
 from jsonargparse import CLI
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from moh_lightning.callbacks import (
@@ -179,7 +180,7 @@ class MoHLightningCLI(LightningCLI):
         from_command_line = args is None
         given = list(sys.argv[1:] if from_command_line else args)
         self.run_name = run_name(given)
-        with threads_restored():  # `before_fit` may set them for forked processes; this process keeps its own
+        with threads_restored():  # set for forked processes once the trainer exists; this process keeps its own
             super().__init__(
                 LightningModule,
                 LightningDataModule,
@@ -245,9 +246,7 @@ class MoHLightningCLI(LightningCLI):
             super().instantiate_classes()
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
             raise SystemExit(f"moh: {one_line_error(str(error))}") from None
-
-    def before_fit(self) -> None:
-        one_thread_per_forked_cpu_process(self.trainer)
+        one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
 
 
 def one_thread_per_forked_cpu_process(trainer) -> None:
@@ -259,7 +258,7 @@ def one_thread_per_forked_cpu_process(trainer) -> None:
     """
     launcher = trainer.strategy.launcher
     forks = launcher is not None and launcher.is_interactive_compatible and trainer.num_devices > 1
-    if not forks or trainer.accelerator.__class__.__name__ != "CPUAccelerator":
+    if not forks or not isinstance(trainer.accelerator, CPUAccelerator):
         return
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print(f"moh: the {trainer.num_devices} CPU processes forked by trainer.strategy run one thread each (OpenMP "
