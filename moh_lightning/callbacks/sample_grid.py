@@ -1,8 +1,6 @@
 """Every N training steps, sample a class-by-class grid from the diffusion model and log it (and a small-N FID)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import WeightAveraging
@@ -92,7 +90,7 @@ class SampleGridCallback(Callback):
         return x.float().clamp(-1, 1).cpu()
 
     def _log_fid(self, trainer: Trainer, task: LightningModule, pl_module: LightningModule) -> None:
-        from moh_lightning.metrics.fidelity import compute_fidelity, load_images
+        from moh_lightning.metrics.fidelity import compute_fidelity, load_images, reference_cache_name
         from moh_lightning.tasks.diffusion import to_uint8
 
         if self._reference is None:
@@ -100,7 +98,7 @@ class SampleGridCallback(Callback):
         generator = torch.Generator().manual_seed(self.seed + 1)
         labels = torch.randint(0, pl_module.model.num_classes, (self.fid_num_samples,), generator=generator)
         samples = to_uint8(self._generate(trainer, task, labels))
-        metrics = compute_fidelity(samples, self._reference, reference_name=Path(self.fid_reference).stem,
+        metrics = compute_fidelity(samples, self._reference, reference_name=reference_cache_name(self.fid_reference),
                                    weights=self.fid_weights)
         pl_module.log_dict({"samples/fid": metrics["fid"], "samples/sfid": metrics["sfid"]})
 

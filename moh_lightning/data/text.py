@@ -1,7 +1,10 @@
 """Packed token sequences for causal LM training, from local text and Hugging Face ``datasets`` mixed by ratio.
 
 Every source is tokenised once into flat ``train.bin`` / ``val.bin`` token arrays under the cache folder
-(documents joined by EOS) and read back as memory maps, so data loaders never re-tokenise. A source is a
+(documents joined by EOS) and read back as memory maps, so data loaders never re-tokenise. An entry is named by the
+source's absolute paths, the tokenizer's content and the split settings, and checked against the files it was made
+from each time it is reused (``moh_lightning.data.cache``): an edited file is tokenised again, and another folder's
+``corpus.txt`` never reads this one's tokens. A source is a
 local text file or folder, a ``datasets`` dataset (hub id or local folder / loader, streaming), or
 ``python-stdlib``: the source files of the running interpreter's standard library, the embedded corpus
 that needs no download. Documents (files or rows) go to train or validation by a hash of their name, so
@@ -15,10 +18,12 @@ bytes + 3 special ids, no vocabulary file), encoded here with numpy since its id
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import sys
 import sysconfig
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -28,16 +33,18 @@ from typing import Literal
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from moh_lightning.data.cache import build_entry, content_hash, entry_name, is_current, write_fingerprint
 from moh_lightning.data.loaders import train_loader
 from moh_lightning.serialization import checkpoint_type
 
 BYTE_TOKENIZER = "byte"
 STDLIB = "python-stdlib"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: entries named by absolute paths and tokenizer content
 SPLIT_RULES = ("auto", "documents", "tokens")
 SplitRule = Literal["auto", "documents", "tokens"]
 
@@ -81,14 +88,38 @@ class TextSource:
         return self.path or self.dataset
 
     def cache_key(self, tokenizer: str, split_by: str = "auto") -> str:
-        """Names the token arrays: everything that changes them, nothing (like weight) that does not."""
+        """Names the token arrays: everything that changes them, nothing (like weight) that does not.
+
+        ``tokenizer`` is the tokenizer's identity (``tokenizer_identity``); paths count as absolute paths, so the
+        same file name in two folders makes two entries.
+        """
         spec = {k: v for k, v in asdict(self).items() if k != "weight"}
-        if split_by != "auto":  # auto keeps the key sources had before split_by existed
-            spec["split_by"] = split_by
-        blob = json.dumps({"source": spec, "tokenizer": tokenizer, "version": _FORMAT_VERSION,
-                           "python": sys.version_info[:2] if self.path == STDLIB else None}, sort_keys=True)
-        name = Path(self.label).name.replace("/", "_") or "source"
-        return f"{name}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+        if self.path is not None and self.path != STDLIB:
+            spec["path"] = str(Path(self.path).expanduser().resolve())
+        if self.dataset is not None and Path(self.dataset).expanduser().exists():
+            spec["dataset"] = str(Path(self.dataset).expanduser().resolve())
+        if self.data_files is not None:
+            spec["data_files"] = [str(p) for p in self._data_files()] or self.data_files
+        return entry_name(self.label, {"source": spec, "split_by": split_by, "tokenizer": tokenizer,
+                                       "version": _FORMAT_VERSION,
+                                       "python": sys.version_info[:2] if self.path == STDLIB else None})
+
+    def local_files(self) -> list[Path]:
+        """The files on this machine the tokens are made from, in reading order (none for a hub dataset)."""
+        if self.path is not None:
+            return _source_files(self)[1]
+        files = list(self._data_files())
+        folder = Path(self.dataset).expanduser()
+        if folder.is_dir():
+            files += sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts)
+        return files
+
+    def _data_files(self) -> list[Path]:
+        """``data_files`` that name local files (globs expanded), absolute and sorted."""
+        patterns = [self.data_files] if isinstance(self.data_files, str) else list(self.data_files or [])
+        found = {Path(p).resolve() for pattern in patterns for p in glob.glob(str(Path(pattern).expanduser()),
+                                                                               recursive=True) if Path(p).is_file()}
+        return sorted(found)
 
     def documents(self) -> Iterator[tuple[str, bytes | str]]:
         """(name, content) of every document, in a fixed order."""
@@ -108,7 +139,8 @@ class TextSource:
             yield str(index), row[self.text_field]
 
 
-def _file_documents(source: TextSource) -> Iterator[tuple[str, bytes]]:
+def _source_files(source: TextSource) -> tuple[Path, list[Path]]:
+    """The root folder and the files of a ``path`` source, in reading order (``max_documents`` of them at most)."""
     if source.path == STDLIB:
         root, pattern = Path(sysconfig.get_paths()["stdlib"]), "*.py"
     else:
@@ -124,9 +156,12 @@ def _file_documents(source: TextSource) -> Iterator[tuple[str, bytes]]:
     if not files:
         raise FileNotFoundError(f"data source path {source.path!r}: no files match pattern {pattern!r} in that "
                                 f"folder or below; add text files or set the source's pattern (e.g. '*.md').")
-    for index, file in enumerate(files):
-        if source.max_documents is not None and index >= source.max_documents:
-            return
+    return root, files[:source.max_documents]
+
+
+def _file_documents(source: TextSource) -> Iterator[tuple[str, bytes]]:
+    root, files = _source_files(source)
+    for file in files:
         yield file.relative_to(root).as_posix(), file.read_bytes()
 
 
@@ -157,6 +192,19 @@ def load_tokenizer(name: str, key: str = "tokenizer"):
         raise OSError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None
 
 
+def tokenizer_identity(name: str, tokenizer) -> str:
+    """What makes a tokenizer's ids: its class, vocabulary, rules and EOS, hashed; not the name it was loaded by.
+
+    A local tokenizer folder retrained under the same path gets another identity, and so another cache entry.
+    """
+    if name == BYTE_TOKENIZER:
+        return BYTE_TOKENIZER
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    blob = json.dumps([type(tokenizer).__name__, state, tokenizer.eos_token_id, tokenizer.all_special_tokens])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def encode(tokenizer, tokenizer_name: str, text: bytes | str) -> np.ndarray:
     """Token ids of one document followed by EOS."""
     if tokenizer_name == BYTE_TOKENIZER:
@@ -174,31 +222,49 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, key: str = "tokenizer",
-                    split_by: SplitRule = "auto") -> Path:
-    """Writes ``train.bin`` / ``val.bin`` / ``meta.json`` for ``source`` once; returns its folder.
+                    split_by: SplitRule = "auto", tokenizer=None) -> Path:
+    """The cache folder of ``source``'s ``train.bin`` / ``val.bin`` / ``meta.json``, written when missing or stale.
 
     ``split_by``: ``documents`` holds out ``val_fraction`` of the documents (by a hash of their names), ``tokens`` the
     last ``val_fraction`` of the source's tokens as one contiguous block, ``auto`` by documents unless that leaves the
-    training or the validation side without a document (a single file), then by tokens.
+    training or the validation side without a document (a single file), then by tokens. ``tokenizer`` is the loaded
+    ``tokenizer_name`` when the caller has it.
     """
     if split_by not in SPLIT_RULES:
         raise ValueError(f"split_by={split_by!r}: choose one of {', '.join(SPLIT_RULES)}.")
-    folder = cache_dir / source.cache_key(tokenizer_name, split_by)
-    if (folder / "meta.json").is_file():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(tokenizer_name, key)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_name, key)
+    folder = cache_dir / source.cache_key(tokenizer_identity(tokenizer_name, tokenizer), split_by)
+    files = source.local_files()
+
+    def current(entry: Path) -> bool:
+        return (entry / "meta.json").is_file() and is_current(entry, files)
+
+    if folder.exists():
+        if current(folder):
+            return folder
+        rank_zero_info(f"moh: {source.label} changed since it was tokenised into {folder}: tokenising it again.")
+    return build_entry(folder, lambda tmp: _write_tokens(source, tokenizer_name, tokenizer, split_by, files, tmp),
+                       current)
+
+
+def _write_tokens(source: TextSource, tokenizer_name: str, tokenizer, split_by: SplitRule, files: list[Path],
+                  folder: Path) -> None:
+    """Tokenises ``source`` into ``folder``: the token arrays, ``meta.json`` and the files' fingerprint."""
+    built_ns = time.time_ns()  # before reading: a file changed while it is read counts as changed afterwards
+    content = content_hash(files)
     dtype = token_dtype(len(tokenizer))
     counts = {"train": 0, "val": 0}
     documents = {"train": 0, "val": 0}
+    num_bytes = 0
     by_documents = split_by != "tokens"
-    with open(folder / "train.bin.tmp", "wb") as train, open(folder / "val.bin.tmp", "wb") as val:
+    with open(folder / "train.bin", "wb") as train, open(folder / "val.bin", "wb") as val:
         for name, text in source.documents():
             split = "val" if by_documents and is_validation(name, source.val_fraction) else "train"
             ids = encode(tokenizer, tokenizer_name, text).astype(dtype)
             (val if split == "val" else train).write(ids.tobytes())
             counts[split] += len(ids)
             documents[split] += 1
+            num_bytes += len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
     if sum(counts.values()) == sum(documents.values()):  # nothing but the EOS after each document
         found = f"its {sum(documents.values())} documents are empty" if any(documents.values()) else "no documents"
         raise ValueError(f"data source {source.label!r}: {found}; give it some text or remove it from the sources.")
@@ -208,17 +274,25 @@ def tokenize_source(source: TextSource, tokenizer_name: str, cache_dir: Path, ke
         # Every token is in one of the two files, in document order; hold out the last val_fraction of them.
         used = "tokens"
         full = "train" if documents["train"] else "val"
-        tokens = np.fromfile(folder / f"{full}.bin.tmp", dtype=dtype)
+        tokens = np.fromfile(folder / f"{full}.bin", dtype=dtype)
         num_val = int(np.ceil(len(tokens) * source.val_fraction))
-        tokens[:len(tokens) - num_val].tofile(folder / "train.bin.tmp")
-        tokens[len(tokens) - num_val:].tofile(folder / "val.bin.tmp")
+        tokens[:len(tokens) - num_val].tofile(folder / "train.bin")
+        tokens[len(tokens) - num_val:].tofile(folder / "val.bin")
         counts = {"train": len(tokens) - num_val, "val": num_val}
-    for split in ("train", "val"):
-        (folder / f"{split}.bin.tmp").rename(folder / f"{split}.bin")
-    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "split_by": used,
-            "tokenizer": tokenizer_name, "vocab_size": len(tokenizer), "source": asdict(source)}
-    (folder / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the folder complete
-    return folder
+    write_fingerprint(folder, files, content, built_ns)
+    meta = {"dtype": dtype.name, "tokens": counts, "documents": documents, "bytes": num_bytes, "split_by": used,
+            "tokenizer": tokenizer_name, "vocab_size": len(tokenizer), "source": asdict(source),
+            "files": [str(f.resolve()) for f in files]}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def describe(source: TextSource, folder: Path) -> str:
+    """One line naming what a run trains on: the files, their bytes, the tokens and the cache entry."""
+    meta = json.loads((folder / "meta.json").read_text())
+    files, rows = meta["files"], sum(meta["documents"].values())
+    where = files[0] if len(files) == 1 else f"{len(files):,} files" if files else f"{rows:,} rows"
+    return (f"moh: data {source.label} ({where}, {meta['bytes']:,} bytes): {meta['tokens']['train']:,} training + "
+            f"{meta['tokens']['val']:,} validation tokens, cache {folder}")
 
 
 def _split(folder: Path) -> str:
@@ -334,6 +408,7 @@ class TextDataModule(LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self._tokenizer = None
+        self._folders: list[Path] | None = None
 
     @property
     def tokenizer(self):
@@ -359,13 +434,17 @@ class TextDataModule(LightningDataModule):
         return self.hparams.tokenizer == BYTE_TOKENIZER
 
     def prepare_data(self) -> None:
-        for source in self.sources:
-            tokenize_source(source, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer",
-                            split_by=self.split_by)
+        self._folders = self._tokenize()
+
+    def _tokenize(self) -> list[Path]:
+        return [tokenize_source(s, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer",
+                                split_by=self.split_by, tokenizer=self.tokenizer) for s in self.sources]
 
     def setup(self, stage: str) -> None:
-        folders = [tokenize_source(s, self.hparams.tokenizer, self.cache_dir, key="data.init_args.tokenizer",
-                                   split_by=self.split_by) for s in self.sources]
+        # In one process prepare_data has just checked the entries; other ranks check them here.
+        folders = self._folders or self._tokenize()
+        for source, folder in zip(self.sources, folders, strict=True):
+            rank_zero_info(describe(source, folder))
         seq_len = self.hparams.seq_len
         train = [open_tokens(f, "train") for f in folders]
         for source, folder, tokens in zip(self.sources, folders, train, strict=True):
@@ -391,5 +470,5 @@ class TextDataModule(LightningDataModule):
                           num_workers=self.hparams.num_workers)
 
 
-__all__ = ["BYTE_TOKENIZER", "STDLIB", "EvenChunks", "MixtureSequences", "TextDataModule", "TextSource",
-           "encode", "is_validation", "load_tokenizer", "tokenize_source"]
+__all__ = ["BYTE_TOKENIZER", "STDLIB", "EvenChunks", "MixtureSequences", "TextDataModule", "TextSource", "describe",
+           "encode", "is_validation", "load_tokenizer", "tokenize_source", "tokenizer_identity"]

@@ -28,6 +28,8 @@ from torch_fidelity.metric_prc import prc_featuresdict_to_metric
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 from torch_fidelity.utils import create_feature_extractor, extract_featuresdict_from_input_id_cached
 
+from moh_lightning.data.cache import entry_name, file_stats
+
 # ADM's evaluator (guided-diffusion evaluations/evaluator.py) scores IS over consecutive chunks of 5,000 samples.
 IS_SPLIT_SIZE = 5000
 
@@ -101,16 +103,32 @@ def load_images(source: str, key: str = "samples") -> np.ndarray:
 
         digits = load_mnist_5k()["train"][0]
         return np.pad(digits, ((0, 0), (2, 2), (2, 2)))[..., None].repeat(3, axis=-1)
-    path = Path(source)
-    if path.suffix == ".npz" and path.is_file():
-        return np.load(path)["arr_0"]
-    if path.is_dir():
+    files = _image_files(source)
+    if files:
+        if files[0].suffix == ".npz":
+            return np.load(files[0])["arr_0"]
         from PIL import Image
 
-        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-        if files:
-            return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+        return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
     raise SystemExit(f"fidelity: --{key} {source}: not an .npz with arr_0, a folder of images, nor 'mnist'.")
+
+
+def _image_files(source: str) -> list[Path]:
+    """The ``.npz`` file, or the images of a folder, that ``load_images`` reads."""
+    path = Path(source)
+    if path.suffix == ".npz" and path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+    return []
+
+
+def reference_cache_name(source: str) -> str:
+    """The cache entry of a reference set's features: its name and a hash of its files' absolute paths, sizes and
+    times, so another folder's ``ref.npz``, or this one rewritten, is never scored against stale statistics."""
+    if source == "mnist":
+        return source
+    return entry_name(Path(source).stem, file_stats(_image_files(source)))
 
 
 def _weights_tag(weights: str | None) -> str:
@@ -145,7 +163,8 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     """FID, sFID, IS (mean and std), precision and recall (k = 3) of ``samples`` against ``reference``.
 
     Both are uint8 (N, H, W, 3) arrays. ``reference_name`` names the cache entry of the reference features and
-    statistics (computed once, then reused); None disables caching. ``weights`` is a local torch-fidelity Inception
+    statistics (computed once, then reused; ``reference_cache_name`` makes one that changes with the files); None
+    disables caching. ``weights`` is a local torch-fidelity Inception
     weights file (``pt_inception-2015-12-05``), needed offline; None downloads it.
     """
     if weights is not None and not Path(weights).is_file():
@@ -187,4 +206,4 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
 
 
 __all__ = ["IS_SPLIT_SIZE", "ImageArrayDataset", "SFID_EXTRACTOR", "SFID_FEATURE", "SpatialInceptionV3",
-           "compute_fidelity", "inception_score", "load_images"]
+           "compute_fidelity", "inception_score", "load_images", "reference_cache_name"]

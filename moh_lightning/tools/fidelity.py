@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moh_lightning.metrics.fidelity import compute_fidelity, load_images
+from moh_lightning.metrics.fidelity import compute_fidelity, load_images, reference_cache_name
 
 
 def fidelity(
@@ -23,13 +23,14 @@ def fidelity(
         samples: ``.npz`` with ``arr_0`` (N, H, W, 3) uint8 (as ``moh sample`` writes), or a folder of images.
         reference: Same formats, or ``mnist`` for the embedded training digits (32x32).
         weights: Local torch-fidelity Inception-v3 weights file, for machines without internet.
-        cache_name: Cache entry of the reference statistics; the reference's name when omitted. Reused across runs.
+        cache_name: Cache entry of the reference statistics; the reference's name and a hash of its files' paths,
+            sizes and times when omitted. Reused across runs.
         cache_root: Folder of the cache (torch-fidelity's default under the torch hub folder when omitted).
         batch_size: Images per Inception forward.
         device: ``cpu`` or ``cuda``.
         out: Also write the metrics as JSON to this file.
     """
-    name = cache_name or Path(reference).stem.replace(" ", "_")
+    name = cache_name or reference_cache_name(reference)
     result = compute_fidelity(load_images(samples), load_images(reference, "reference"), name, weights, batch_size,
                               device, cache_root, verbose=True)
     text = json.dumps(result, indent=2)

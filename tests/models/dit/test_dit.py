@@ -235,11 +235,12 @@ def test_latent_cache_encodes_once_with_flips(tmp_path):
     data = LatentDataModule(str(tmp_path / "images"), cache_dir=str(tmp_path / "cache"), vae=str(vae_dir),
                             image_size=16, batch_size=4, encode_batch_size=4, num_workers=0)
     data.prepare_data()
-    stamp = (tmp_path / "cache" / "latents.npy").stat().st_mtime_ns
+    (entry,) = (tmp_path / "cache").iterdir()
+    stamp = (entry / "latents.npy").stat().st_mtime_ns
     data.prepare_data()
-    assert (tmp_path / "cache" / "latents.npy").stat().st_mtime_ns == stamp  # cached, not re-encoded
+    assert (entry / "latents.npy").stat().st_mtime_ns == stamp  # cached, not re-encoded
     data.setup("fit")
-    latents = np.load(tmp_path / "cache" / "latents.npy")
+    latents = np.load(entry / "latents.npy")
     assert latents.shape == (6, 2, 4, 8, 8) and latents.dtype == np.float16
     assert not np.allclose(latents[:, 0], latents[:, 1])  # the flipped copy is a different latent
     x, y = next(iter(data.train_dataloader()))
