@@ -9,10 +9,10 @@ import lightning as L
 import pytest
 import torch
 from lm_eval_tasks import write_tasks
-from transformers import AutoModelForCausalLM, ByT5Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
 
 from moh_lightning.cli import main as moh
-from moh_lightning.data.text import TextDataModule, TextSource
+from moh_lightning.data.text import TextDataModule, TextSource, encode, exported_tokenizer, load_tokenizer
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, export_hf
 from moh_lightning.tasks.checkpoints import load_language_model
@@ -148,3 +148,33 @@ def test_exported_query_norm_router_scores_in_the_suites_precision(router_dtype,
     torch.testing.assert_close(gates, QueryNormRouter(8, 4, 2, router_dtype)(None, q=q).gates.float(), rtol=0, atol=0)
     other = query_norm_gates(q, 4, 2, "activation" if router_dtype == "float32" else "float32").float()
     assert (gates != other).any()
+
+
+@pytest.mark.parametrize("flags", [{"add_bos_token": True, "add_eos_token": True}, {}], ids=["flags", "template"])
+def test_exported_hugging_face_tokenizer_adds_no_special_tokens(flags, tmp_path):
+    """A LLaMA-style tokenizer (BOS / EOS by flags) and a BERT-style one (by its post-processor) both encode as
+    training did once exported."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<unk>", "<s>", "</s>", "the", "cat", "sat", "on", "mat", "."]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if not flags:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                               special_tokens=[("<s>", 1), ("</s>", 2)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            **flags).save_pretrained(tmp_path / "trained")
+    name = str(tmp_path / "trained")
+    suite = load_tokenizer(name)
+    assert suite("the cat")["input_ids"] == [1, 3, 4, 2]  # what a plain call gave before export
+    exported_tokenizer(name).save_pretrained(tmp_path / "exported")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    for text in ("the cat sat on the mat .", "the dog", ""):
+        assert tokenizer(text)["input_ids"] == encode(suite, name, text)[:-1].tolist(), text
+
+
+def test_a_tokenizer_that_always_adds_eos_does_not_export(tmp_path):
+    ByT5Tokenizer(extra_ids=0).save_pretrained(tmp_path / "byt5")
+    with pytest.raises(ValueError, match="adds special tokens that cannot be turned off"):
+        exported_tokenizer(str(tmp_path / "byt5"))
+
