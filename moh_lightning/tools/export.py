@@ -39,6 +39,11 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
     return out
 
 
+_TOKENIZER_NOTE = ("A plain `tokenizer(text)` gives the ids the model was trained on: no BOS and no EOS added "
+                   "(training joined documents with EOS and added nothing else), so greedy `generate` continues a "
+                   "prompt token for token as `moh generate --temperature 0` does, and stops at EOS as it does.")
+
+
 def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, push_to_hub: str | None = None,
                       private: bool = False) -> str:
     """Exports a ``moh fit`` LanguageModel checkpoint to a ``transformers`` folder, optionally pushed to the hub.
@@ -60,7 +65,8 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
     task, data_hparams = load_language_model(checkpoint, tool="export-hf")
     name = tokenizer or data_hparams.get("tokenizer")
     source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
-    export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub)
+    export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub,
+              tokenizer_note=_TOKENIZER_NOTE if name else None)
     print(f"wrote {out}")
     if push_to_hub:
         url = push_folder(out, push_to_hub, private)
