@@ -14,7 +14,8 @@ default (``auto``) splits by documents and falls back to tokens when that would 
 validation side without a document (one file, a handful of rows).
 
 Tokeniser: any Hugging Face tokenizer by name or path, or ``byte``: transformers' ``ByT5Tokenizer`` (UTF-8
-bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just ``byte + 3``.
+bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just ``byte + 3``. Exported
+models carry ``exported_tokenizer``: the same ids from a plain ``tokenizer(text)``.
 """
 from __future__ import annotations
 
@@ -215,6 +216,40 @@ def encode(tokenizer, tokenizer_name: str, text: bytes | str) -> np.ndarray:
             text = text.decode("utf-8", errors="replace")
         ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     return np.append(ids, tokenizer.eos_token_id)
+
+
+def exported_tokenizer(name: str, key: str = "tokenizer"):
+    """The tokenizer ``name`` as ``moh export-hf`` saves it: a plain ``tokenizer(text)`` gives ``encode``'s ids
+    without the EOS that ends a document, the ids the model was trained on.
+
+    ``byte`` becomes a ``tokenizers`` fast tokenizer, whose ``tokenizer.json`` loads in ``transformers`` without
+    remote code and in ``tokenizers`` itself: a ByteLevel pre-tokenizer (no regex, no prefix space) turns every UTF-8
+    byte into one symbol, a BPE without merges maps it to byte + 3, pad / eos / unk are 0 / 1 / 2 as in ByT5, and
+    nothing is appended (ByT5 appends EOS to every call). A Hugging Face tokenizer keeps its vocabulary with BOS / EOS
+    insertion turned off.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if name == BYTE_TOKENIZER:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        symbols = bytes_to_unicode()  # the byte -> symbol table of the ByteLevel pre-tokenizer
+        vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {symbols[b]: b + _BYTE_OFFSET for b in range(256)}
+        backend = Tokenizer(models.BPE(vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        # split_special_tokens: text such as "</s>" stays bytes, as encode() read it for training.
+        return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                       unk_token="<unk>", split_special_tokens=True)
+    tokenizer = load_tokenizer(name, key)
+    if isinstance(tokenizer, PreTrainedTokenizerFast):
+        tokenizer.add_bos_token = tokenizer.add_eos_token = False  # rewrites the post-processor, saved with it
+    probe = "def f(x):\n    return x"
+    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{key}={name!r}: {type(tokenizer).__name__} adds special tokens that cannot be turned off, "
+                         f"so a plain call would not encode as training did; give a fast tokenizer (tokenizer.json).")
+    return tokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -471,4 +506,4 @@ class TextDataModule(LightningDataModule):
 
 
 __all__ = ["BYTE_TOKENIZER", "STDLIB", "EvenChunks", "MixtureSequences", "TextDataModule", "TextSource", "describe",
-           "encode", "is_validation", "load_tokenizer", "tokenize_source", "tokenizer_identity"]
+           "encode", "exported_tokenizer", "is_validation", "load_tokenizer", "tokenize_source", "tokenizer_identity"]

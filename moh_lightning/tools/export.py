@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from moh_lightning.data.text import load_tokenizer
+from moh_lightning.data.text import exported_tokenizer
 from moh_lightning.models.llama import export_hf, from_hf
 from moh_lightning.tasks.checkpoints import load_language_model
 
@@ -39,13 +39,19 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
     return out
 
 
+_TOKENIZER_NOTE = ("A plain `tokenizer(text)` gives the ids the model was trained on: no BOS and no EOS added "
+                   "(training joined documents with EOS and added nothing else), so greedy `generate` continues a "
+                   "prompt token for token as `moh generate --temperature 0` does, and stops at EOS as it does.")
+
+
 def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, push_to_hub: str | None = None,
                       private: bool = False) -> str:
     """Exports a ``moh fit`` LanguageModel checkpoint to a ``transformers`` folder, optionally pushed to the hub.
 
     Every language model exports: learned or query-norm router, one head budget or one per layer, or dense. The
-    folder holds the config, safetensors weights, the tokenizer, the remote-code modelling file and a model card
-    (README.md) with the head budget and the checkpoint it came from; it loads with
+    folder holds the config, safetensors weights, the tokenizer (a plain call encodes as training did:
+    ``exported_tokenizer``), the remote-code modelling file and a model card (README.md) with the head budget and the
+    checkpoint it came from; it loads with
     ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` and lm-eval's ``hf`` model.
 
     Args:
@@ -59,7 +65,8 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
     task, data_hparams = load_language_model(checkpoint, tool="export-hf")
     name = tokenizer or data_hparams.get("tokenizer")
     source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
-    export_hf(task.model, out, load_tokenizer(name) if name else None, source=source, name=push_to_hub)
+    export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub,
+              tokenizer_note=_TOKENIZER_NOTE if name else None)
     print(f"wrote {out}")
     if push_to_hub:
         url = push_folder(out, push_to_hub, private)

@@ -9,20 +9,25 @@ import lightning as L
 import pytest
 import torch
 from lm_eval_tasks import write_tasks
-from transformers import AutoModelForCausalLM, ByT5Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
 
 from moh_lightning.cli import main as moh
-from moh_lightning.data.text import TextDataModule, TextSource
+from moh_lightning.data.text import TextDataModule, TextSource, encode, exported_tokenizer, load_tokenizer
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, export_hf
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel
+from moh_lightning.tools.generate import generate
 
 # 3 layers of 8 heads with grouped-query attention and one budget per layer: 2 shared + top-3 of 6 routed, no shared
 # + top-2 of 8 (the routed-only router), all 8 shared (shared gates only).
 ARCH = {"vocab_size": 259, "depth": 3, "embed_dim": 64, "num_heads": 8, "head_dim": 8, "num_kv_heads": 4,
         "intermediate_size": 96, "block_size": 64}
 BUDGET = {"num_shared_heads": [2, 0, 8], "top_k": [3, 2, 0]}
+# ASCII, 2- and 3-byte UTF-8, 4-byte emoji with a skin tone and a zero-width joiner, whitespace runs, nothing, and the
+# special tokens' spellings, which training read as plain bytes.
+TEXTS = ["the cat sat on the mat.", "déjà vu: ü, ß, 日本語", "emoji 🙂👍🏽 👩‍💻", "  two\n\tlines\r\n  ", " ", "",
+         "</s><pad> <unk>"]
 
 def _sharpen_routers(model: MoHLlama) -> None:
     """Router weights of unit scale, so gates differ clearly from uniform and top-k choices vary by token."""
@@ -73,6 +78,7 @@ def test_learned_router_folder_loads_in_transformers_with_equal_logits(learned):
     card = (folder / "README.md").read_text()
     assert "learned two-stage router" in card and "Activated heads: 15 of 24 (62.5%)" in card
     assert "| 0 | 8 | 2 | 6 | 3 | 5 |" in card and "learned.ckpt" in card and "trust_remote_code=True" in card
+    assert "A plain `tokenizer(text)` gives the ids the model was trained on" in card
 
     ours = load_language_model(learned / "learned.ckpt")[0].model
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
@@ -148,3 +154,98 @@ def test_exported_query_norm_router_scores_in_the_suites_precision(router_dtype,
     torch.testing.assert_close(gates, QueryNormRouter(8, 4, 2, router_dtype)(None, q=q).gates.float(), rtol=0, atol=0)
     other = query_norm_gates(q, 4, 2, "activation" if router_dtype == "float32" else "float32").float()
     assert (gates != other).any()
+
+
+@pytest.mark.parametrize("moh_config", [MoHConfig(num_shared_heads=4, top_k=2), None], ids=["moh", "dense"])
+def test_model_card_snippet_loads_a_byte_tokenizer_that_encodes_as_the_suite(moh_config, tmp_path, monkeypatch):
+    """The card's code runs without a question and without remote code for the tokenizer, whose plain call gives the
+    suite's ids and whose decoding gives the text back."""
+    import tokenizers
+    from transformers.models.auto import configuration_auto
+
+    model = MoHLlama(LlamaConfig(**ARCH, moh=moh_config)).eval()
+    folder = export_hf(model, tmp_path / "hf", exported_tokenizer("byte"), source="t")
+    card = (folder / "README.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    asked, trusted = [], []
+    monkeypatch.setattr("builtins.input", lambda *args: asked.append(args) or "n")
+    resolve = configuration_auto.resolve_trust_remote_code  # asked by AutoConfig, which AutoTokenizer runs first
+
+    def record(trust, *args, **kwargs):
+        trusted.append(trust)
+        return resolve(trust, *args, **kwargs)
+
+    monkeypatch.setattr(configuration_auto, "resolve_trust_remote_code", record)
+    scope = {}
+    exec(snippet, scope)  # the card's own code: model, tokenizer, greedy generate
+    assert not asked and trusted == ([True, False] if moh_config else [])  # model, then tokenizer
+    tokenizer, suite = scope["tokenizer"], load_tokenizer("byte")
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == encode(suite, "byte", text)[:-1].tolist(), text
+        assert tokenizer.decode(ids) == text and tokenizer.decode([*ids, 1], skip_special_tokens=True) == text
+        if "<" not in text:  # plain tokenizers has no split_special_tokens: "</s>" is EOS there
+            assert raw.encode(text).ids == ids
+
+
+@pytest.mark.parametrize("flags", [{"add_bos_token": True, "add_eos_token": True}, {}], ids=["flags", "template"])
+def test_exported_hugging_face_tokenizer_adds_no_special_tokens(flags, tmp_path):
+    """A LLaMA-style tokenizer (BOS / EOS by flags) and a BERT-style one (by its post-processor) both encode as
+    training did once exported."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<unk>", "<s>", "</s>", "the", "cat", "sat", "on", "mat", "."]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if not flags:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                               special_tokens=[("<s>", 1), ("</s>", 2)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            **flags).save_pretrained(tmp_path / "trained")
+    name = str(tmp_path / "trained")
+    suite = load_tokenizer(name)
+    assert suite("the cat")["input_ids"] == [1, 3, 4, 2]  # what a plain call gave before export
+    exported_tokenizer(name).save_pretrained(tmp_path / "exported")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    for text in ("the cat sat on the mat .", "the dog", ""):
+        assert tokenizer(text)["input_ids"] == encode(suite, name, text)[:-1].tolist(), text
+
+
+def test_a_tokenizer_that_always_adds_eos_does_not_export(tmp_path):
+    ByT5Tokenizer(extra_ids=0).save_pretrained(tmp_path / "byt5")
+    with pytest.raises(ValueError, match="adds special tokens that cannot be turned off"):
+        exported_tokenizer(str(tmp_path / "byt5"))
+
+
+def test_transformers_greedy_generate_continues_as_moh_generate(learned, tmp_path):
+    """On the learned export and on a copy made to emit EOS: transformers' greedy ``generate`` from the exported folder
+    gives ``moh generate --temperature 0``'s tokens and text, and stops at EOS where it does."""
+    prompt, steps = "the cat", 24
+    ours = load_language_model(learned / "learned.ckpt")[0].model
+    ids = torch.tensor([load_tokenizer("byte")(prompt, add_special_tokens=False)["input_ids"]])
+    greedy = ours.generate(ids, 4, temperature=0)
+    with torch.no_grad():
+        logit = ours(greedy[:, :-1])[0, -1, greedy[0, -1]]
+    # EOS's output row a scaled copy of the fourth greedy token's: EOS outscores that token there, if not sooner.
+    raw = torch.load(learned / "learned.ckpt", weights_only=False)
+    head = raw["state_dict"]["model.lm_head.weight"]
+    head[1] = head[greedy[0, -1]] * (1.05 if logit > 0 else 0.95)
+    torch.save(raw, tmp_path / "eos.ckpt")
+    moh(["export-hf", "--checkpoint", str(tmp_path / "eos.ckpt"), "--out", str(tmp_path / "hf")])
+
+    lengths = []
+    for checkpoint, folder in ((learned / "learned.ckpt", learned / "hf"), (tmp_path / "eos.ckpt", tmp_path / "hf")):
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (1, 0)
+        out = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=steps, do_sample=False)
+        suite = load_language_model(checkpoint)[0].model.generate(ids, steps, temperature=0, eos_id=1)
+        assert out.tolist() == suite.tolist()
+        lengths.append(out.shape[1] - ids.shape[1])
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        # Bytes that are not UTF-8 (this barely trained model emits many): ByT5 drops them, the ByteLevel decoder
+        # writes U+FFFD.
+        assert text.replace("\ufffd", "") == generate(str(checkpoint), prompt, max_new_tokens=steps, temperature=0)[0]
+    assert lengths[0] == steps and lengths[1] <= 4 and out[0, -1] == 1  # the EOS copy stopped early, both alike

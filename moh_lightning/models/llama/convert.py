@@ -173,11 +173,11 @@ _ROUTER_TEXT = {
 }
 
 
-def model_card(config: LlamaConfig, source: str, name: str) -> str:
+def model_card(config: LlamaConfig, source: str, name: str, tokenizer_note: str | None = None) -> str:
     """The README.md of an exported folder: how to load it, its head budget, architecture and provenance.
 
     ``source`` says where the weights came from (a ``moh fit`` checkpoint, a converted LLaMA, the authors' release);
-    ``name`` is the hub repo id or folder the snippets load.
+    ``name`` is the hub repo id or folder the snippets load; ``tokenizer_note`` says how the tokenizer encodes.
     """
     from importlib.metadata import PackageNotFoundError, version
 
@@ -216,9 +216,17 @@ def model_card(config: LlamaConfig, source: str, name: str) -> str:
                     f"({config.num_kv_heads} key/value heads), SwiGLU {config.intermediate_size}, RMSNorm eps "
                     f"{config.norm_eps:g}, rotary base {config.rope_base:g}, vocabulary {config.vocab_size}, "
                     f"context {config.block_size}, {'tied' if config.tie_embeddings else 'untied'} embeddings.")
+    # AutoTokenizer reads config.json first and would ask whether to run the model's remote code.
+    local = ", trust_remote_code=False" if moh is not None else ""
     usage = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'model = AutoModelForCausalLM.from_pretrained("{name}"{remote})',
-             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
+             f'tokenizer = AutoTokenizer.from_pretrained("{name}"{local})',
+             'inputs = tokenizer("def parse(", return_tensors="pt")',
+             "output = model.generate(**inputs, max_new_tokens=50, do_sample=False)",
+             "print(tokenizer.decode(output[0], skip_special_tokens=True))", "```", "",
+             *([tokenizer_note, ""] if tokenizer_note else []),
+             *(["The tokenizer runs no custom code: `trust_remote_code=False` loads it without the question "
+                "transformers asks for the model's code.", ""] if moh is not None else []),
              f"lm-eval: `lm_eval --model hf --model_args pretrained={name}{remote.replace(', ', ',')} --tasks sciq`"]
     lines = [*header, f"# {Path(name).name}", "", what, "", *usage, "", "## Head budget", "", *budget, "",
              "## Architecture", "", architecture, "", "## Provenance", "", source, ""]
@@ -226,12 +234,13 @@ def model_card(config: LlamaConfig, source: str, name: str) -> str:
 
 
 def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str = "not recorded",
-              name: str | None = None) -> Path:
+              name: str | None = None, tokenizer_note: str | None = None) -> Path:
     """Writes ``model`` as a ``transformers`` folder (safetensors, config, modelling code, tokenizer if given, and a
     model card README.md naming the head budget and ``source``, where the weights came from).
 
     A MoH model loads with ``trust_remote_code=True``; a dense one is a plain ``LlamaForCausalLM``. ``name`` is the
-    repo id or path the model card's snippets load (the folder when None).
+    repo id or path the model card's snippets load (the folder when None); ``tokenizer_note``, a paragraph of the
+    card, says how the tokenizer encodes.
     """
     from transformers import LlamaForCausalLM
 
@@ -255,7 +264,7 @@ def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str =
     hf_model.to(next(model.parameters()).dtype).save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    (folder / "README.md").write_text(model_card(model.config, source, name or str(folder)))
+    (folder / "README.md").write_text(model_card(model.config, source, name or str(folder), tokenizer_note))
     return folder
 
 
