@@ -11,6 +11,8 @@ import torch
 from timm.layers import register_notrace_module
 from torch import nn
 
+from moh_lightning.layers.router_op import route, selection_counts
+
 RouterType = Literal["learned", "query_norm"]
 #: Precision of the query-norm router's scores: float32, or the activations' dtype (the authors' MoH-LLaMA3 code).
 RouterDtype = Literal["float32", "activation"]
@@ -38,23 +40,11 @@ def load_balance_loss(probs: torch.Tensor, selected: torch.Tensor, valid: torch.
     """
     weight = None if valid is None else valid.to(probs.dtype)[:, None]
     prob_sum = (probs if weight is None else probs * weight).sum(0)                   # (E,)
-    return _balance_loss(prob_sum, _selection_counts(selected, valid))
-
-
-def _selection_counts(selected: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """(E + 1,) float32: tokens selecting each routed head of ``selected`` (T, E), then the token count.
-
-    Float32 because in bf16 a sum over more than 256 tokens would round.
-    """
-    if valid is None:
-        total = torch.full((1,), selected.shape[0], dtype=torch.float32, device=selected.device)
-        return torch.cat([selected.sum(0, dtype=torch.float32), total])
-    weight = valid.float()[:, None]
-    return torch.cat([(selected.float() * weight).sum(0), weight.sum(0)])
+    return _balance_loss(prob_sum, selection_counts(selected, valid))
 
 
 def _balance_loss(prob_sum: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """E * sum_i f_i P_i from the routed scores summed over this process's tokens and ``_selection_counts``."""
+    """E * sum_i f_i P_i from the routed scores summed over this process's tokens and ``selection_counts``."""
     local_tokens = counts[-1].clamp_min(1.0).to(prob_sum.dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
@@ -74,107 +64,6 @@ def _select_top_k(probs: torch.Tensor, top_k: int, dim: int = -1) -> torch.Tenso
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(dim, indices, True)
 
 
-class _FusedRouting(torch.autograd.Function):
-    """``MoHRouter``'s gates from one projection, with a hand-written backward.
-
-    Inputs: tokens (T, C), the three routers' weights concatenated (R, C) in the order shared, routed, type (one
-    projection gives every logit), the valid-token mask (T,) or None, the layout (h_s, E, k, rows of the shared
-    router, rows of the type router) and whether to gather the load-balance statistics. Outputs: gates (T, h) and,
-    with the statistics, the routed scores summed over the valid tokens (E,) (differentiable) and
-    ``_selection_counts`` (E + 1,).
-
-    The logits are computed heads along rows and tokens along columns, (R, T) = W @ tokens^T: every softmax, the
-    top-k and the statistics then work on contiguous rows of T tokens (on CPU a softmax over a last dim of 2-6 entries
-    costs 20x one over the tokens, and W @ tokens^T half of tokens @ W^T), and the backward hands x a contiguous
-    gradient (autograd's transpose would hand a strided one, whose accumulation costs 10x). The gradient is the
-    formula's, written out: left to autograd, two dozen small operations on (<= h, T) tensors cost more in
-    per-operation overhead than in arithmetic. The renormalised top-k scores are computed as the softmax of the
-    selected logits alone, the same numbers (p_i / sum_selected p_j = exp(l_i) / sum_selected exp(l_j)), and the
-    top-k of the logits is the top-k of their softmax.
-    """
-
-    @staticmethod
-    def forward(ctx, tokens, weight, valid, layout, stats):
-        shared_heads, routed_heads, top_k, shared_rows, type_rows = layout
-        rows = torch.mm(weight, tokens.mT)                                            # (R, T); autocast applies
-        # What the product really multiplied (autocast casts), for the backward's two products.
-        ctx.mm_inputs = (weight.to(rows.dtype), tokens.to(rows.dtype))
-        ctx.input_dtypes = (tokens.dtype, weight.dtype)
-        shared_logits, routed_logits, type_logits = rows.split([shared_rows, routed_heads, type_rows])
-        shared = shared_logits.softmax(0) if shared_rows else None                    # (h_s, T)
-        alpha = type_logits.softmax(0) if type_rows else None                         # (2, T)
-        selected = routed = probs = None
-        if routed_heads:
-            if top_k < routed_heads:
-                indices = routed_logits.topk(top_k, dim=0).indices
-                selected = torch.zeros_like(routed_logits, dtype=torch.bool).scatter_(0, indices, True)
-                routed = torch.where(selected, routed_logits, float("-inf")).softmax(0)   # (E, T)
-            else:
-                routed = routed_logits.softmax(0)
-        shared_scale, routed_scale = _group_scales(alpha, shared_heads, top_k)
-        groups = []
-        if shared_heads:
-            groups.append(shared * shared_scale if shared is not None
-                          else (shared_scale if alpha is not None else rows.new_ones(1, rows.shape[1])))
-        if routed is not None:
-            groups.append(routed * routed_scale)
-        gates = (groups[0] if len(groups) == 1 else torch.cat(groups)).mT.contiguous()    # (T, h)
-        outputs = (gates,)
-        weight_valid = None
-        if stats:
-            probs = routed_logits.softmax(0)
-            weight_valid = None if valid is None else valid.to(probs.dtype)
-            prob_sum = (probs if weight_valid is None else probs * weight_valid).sum(1)           # (E,)
-            counts = _selection_counts(selected.mT, valid)
-            ctx.mark_non_differentiable(counts)
-            outputs = (gates, prob_sum, counts)
-        ctx.layout = layout
-        ctx.save_for_backward(shared, routed, alpha, probs, weight_valid)
-        return outputs
-
-    @staticmethod
-    def backward(ctx, grad_gates, grad_prob_sum=None, grad_counts=None):
-        shared, routed, alpha, probs, weight_valid = ctx.saved_tensors
-        shared_heads, routed_heads, top_k, shared_rows, type_rows = ctx.layout
-        grad = grad_gates.mT.contiguous()                                             # (h, T)
-        grad_shared, grad_routed = grad.split([shared_heads, routed_heads])
-        shared_scale, routed_scale = _group_scales(alpha, shared_heads, top_k)
-        rows = []
-        # softmax backward, d l = p * (d p - sum p d p), with d p = scale * d gate and the scale factored out.
-        if shared is not None:
-            shared_dot = (shared * grad_shared).sum(0, keepdim=True)                  # (1, T)
-            rows.append(shared * shared_scale * (grad_shared - shared_dot))
-        if routed is not None:
-            routed_dot = (routed * grad_routed).sum(0, keepdim=True)
-            grad_logits = routed * routed_scale * (grad_routed - routed_dot)
-            if probs is not None and grad_prob_sum is not None:
-                grad_probs = grad_prob_sum[:, None] if weight_valid is None \
-                    else grad_prob_sum[:, None] * weight_valid
-                grad_logits = grad_logits + probs * (grad_probs - (probs * grad_probs).sum(0, keepdim=True))
-            rows.append(grad_logits)
-        if alpha is not None:
-            # gates = group * 2 alpha_i * (h_s or k): d alpha_i = 2 (h_s or k) sum_group group * d gate.
-            shared_dot = shared_dot if shared is not None else grad_shared
-            grad_alpha = torch.cat([shared_dot * (2.0 * shared_heads), routed_dot * (2.0 * top_k)])   # (2, T)
-            rows.append(alpha * (grad_alpha - (alpha * grad_alpha).sum(0, keepdim=True)))
-        weight, tokens = ctx.mm_inputs
-        ctx.mm_inputs = None
-        grad_logits = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(weight.dtype)         # (R, T)
-        grad_tokens = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_tokens = (grad_logits.mT @ weight).to(ctx.input_dtypes[0])           # (T, C), contiguous
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad_logits @ tokens).to(ctx.input_dtypes[1])              # (R, C)
-        return grad_tokens, grad_weight, None, None, None
-
-
-def _group_scales(alpha: torch.Tensor | None, shared_heads: int, top_k: int):
-    """Scale of the shared and of the routed group's gates: h_s and k, times 2 alpha_1 and 2 alpha_2 (two-stage)."""
-    if alpha is None:
-        return float(shared_heads), float(top_k)
-    return alpha[:1] * (2.0 * shared_heads), alpha[1:] * (2.0 * top_k)
-
-
 # Both routers are leaves of an FX trace (timm's feature extraction): their gates come out of custom autograd functions
 # (the fused router's hand-written backward, the straight-through one), which a symbolic trace cannot record.
 @register_notrace_module
@@ -186,9 +75,9 @@ class MoHRouter(nn.Module):
     [alpha_1, alpha_2] = softmax(W_h x). A uniform router therefore gives every active head gate 1, which is
     multi-head attention's plain sum. ``two_stage=False`` fixes alpha_1 = alpha_2 = 1/2 (the Tab. 6 ablation).
 
-    The three routers are one projection at run time (``_FusedRouting``): their weights are concatenated per call
-    and stay three parameters under their own names. The load-balance statistics are gathered only in training
-    and only when some routed head can be skipped (k < E).
+    The three routers are one projection and one op at run time (``router_op.route``): their weights are
+    concatenated per call and stay three parameters under their own names. The load-balance statistics are
+    gathered only in training and only when some routed head can be skipped (k < E).
     """
 
     def __init__(self, dim: int, num_heads: int, num_shared_heads: int, top_k: int, two_stage: bool = True,
@@ -207,18 +96,21 @@ class MoHRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, q: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> RouterOutput:
-        linears = [lin for lin in (self.shared_router, self.routed_router, self.type_router) if lin is not None]
-        if not linears:                                                 # one shared head and nothing else
+        if self.shared_router is None and self.routed_router is None:          # one shared head and nothing else
             return RouterOutput(x.new_ones(*x.shape[:-1], self.num_heads), None)
-        weight = linears[0].weight if len(linears) == 1 else torch.cat([lin.weight for lin in linears])  # (R, C)
         stats = self.training and self.top_k < self.num_routed_heads
-        layout = (self.num_shared_heads, self.num_routed_heads, self.top_k,
-                  self.num_shared_heads if self.shared_router is not None else 0,
-                  2 if self.type_router is not None else 0)
-        outputs = _FusedRouting.apply(x.reshape(-1, x.shape[-1]), weight, valid, layout, stats)
-        gates = outputs[0].reshape(*x.shape[:-1], self.num_heads)
-        loss = _balance_loss(outputs[1], outputs[2]) if stats else None
-        return RouterOutput(gates, loss)
+        tokens = x.reshape(-1, x.shape[-1])
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        weights = [None if lin is None else lin.weight.to(dtype)
+                   for lin in (self.shared_router, self.routed_router, self.type_router)]
+        gates, _, prob_sum, counts, _, loss = route(tokens.to(dtype), *weights, valid, self.num_shared_heads,
+                                                    self.num_routed_heads, self.top_k, stats)
+        if not stats:
+            loss = None
+        elif torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            loss = _balance_loss(prob_sum, counts)  # f_i over every rank's tokens
+        return RouterOutput(gates.reshape(*x.shape[:-1], self.num_heads), loss)
 
 
 class _StraightThrough(torch.autograd.Function):

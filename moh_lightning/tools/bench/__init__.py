@@ -24,6 +24,7 @@ from moh_lightning.tools.bench.models import (
     decode_model_section,
     model_section,
 )
+from moh_lightning.tools.bench.op_count import op_count_section
 from moh_lightning.tools.bench.report import Report, header
 from moh_lightning.tools.bench.shapes import FRACTIONS
 from moh_lightning.tools.bench.timing import Clock
@@ -74,6 +75,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
     report = Report()
     load_before = os.getloadavg()
     started = time.time()
+    op_count_section(report)
     core_section(report, timer, lengths, fractions, repeats, warmup)
     layer_section(report, timer, lengths[:1] if quick else (256, 1024), fractions, repeats, warmup)
     memory_section(report, lengths[-1], quick)

@@ -51,6 +51,13 @@ BOUNDS = {
 # Each section's title and introduction; {heads}, {head_dim}, {batch}, {shared} and {long} are the shapes', other
 # fields the section's own.
 SECTIONS = {
+    "op_count": ("Operations per layer step (the CPU proxy of launch cost)", (
+        "ATen operations one training step of one layer dispatches (forward, load-balance loss, backward), counted "
+        "with `TorchDispatchMode` at width 384, 6 heads, 2 x 64 tokens; MoH has 2 shared + top-2 of 4 routed heads "
+        "and the learned router, whose gates and statistics are one registered op each way (`moh::route`), so they "
+        "count once, as they launch once on a GPU. At ViT-S / DiT-S sizes a GPU runs about one kernel per "
+        "operation, so this count bounds a launch-bound step. The same table is a test "
+        "(`tests/layers/test_op_count.py`).")),
     "core": ("Attention core", (
         "h = {heads}, head_dim = {head_dim}, batch {batch}, fp32; {shared} shared heads, the rest routed "
         "(gates of a freshly initialised router on random tokens). Time in ms from q, k, v to the "
