@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import yaml
 from jsonargparse import CLI
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from moh_lightning.callbacks import (
@@ -35,6 +36,7 @@ from moh_lightning.callbacks import (
     RunSummary,
     StepCheckpoint,
 )
+from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
 from moh_lightning.configs import expand_config
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
@@ -240,6 +242,18 @@ class MoHLightningCLI(LightningCLI):
             record_changes(version_dir, checkpoint, changes)
         logger_args.version = int(version_dir.name.removeprefix("version_"))
         config.ckpt_path = str(checkpoint)
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        # The bar Lightning adds when none is configured becomes the suite's, which labels unlimited epochs truthfully.
+        # Lightning adds its own callbacks to the configured list itself, so that is copied first.
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        configured = config.trainer.get("callbacks") or []
+        configured = list(configured) if isinstance(configured, list) else [configured]
+        trainer = super().instantiate_trainer(**kwargs)
+        for i, callback in enumerate(trainer.callbacks):
+            if type(callback) is RichProgressBar and not any(callback is given for given in configured):
+                trainer.callbacks[i] = MoHRichProgressBar()
+        return trainer
 
     def instantiate_classes(self) -> None:
         try:
