@@ -5,10 +5,12 @@ file resolves against the suite's ``cli_configs/``. A config may start with ``ex
 are stacked before it, so an experiment states only what makes it that experiment. Every run writes into its own run
 folder ``runs/<name>/version_N/`` (events, resolved config, checkpoints; see ``moh_lightning.runs``). Tools that are
 not Trainer loops (sampling, generation, evaluation, benchmarks, sweeps) are plain typed functions listed in
-``TOOLS`` and parsed by jsonargparse, so they take ``--help``, ``--config`` and overrides the same way.
+``TOOLS`` and parsed by jsonargparse, so they take ``--help``, ``--config`` and overrides the same way; ``moh --help``
+lists every command with the first sentence of its docstring.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import logging
@@ -329,15 +331,54 @@ def _tool(name: str) -> Callable:
     return getattr(importlib.import_module(module), function)
 
 
+def commands() -> list[str]:
+    """Every ``moh`` command: the Trainer's (LightningCLI's subcommands), then the tools."""
+    return [*LightningCLI.subcommands(), *TOOLS]
+
+
+def _first_sentence(doc: str | None) -> str:
+    sentence = " ".join((doc or "").strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".")
+    return sentence.replace("``", "`") + "."
+
+
+def commands_help() -> str:
+    """What ``moh --help`` prints: every command with the first sentence of its docstring, the Trainer method's or
+    the tool function's (importing every tool for it takes a fraction of a second, next to seconds for Lightning)."""
+    loops = {name: getattr(Trainer, name).__doc__ for name in LightningCLI.subcommands()}
+    tools = {name: _tool(name).__doc__ for name in TOOLS}
+    width = max(map(len, commands()))
+    return "\n".join([
+        "usage: moh <command> [--config NAME] [--key value ...]", "",
+        "Trainer loops (LightningCLI; a --config name resolves against the shipped cli_configs/):",
+        *(f"  {name:<{width}}  {_first_sentence(doc)}" for name, doc in loops.items()), "", "Tools:",
+        *(f"  {name:<{width}}  {_first_sentence(doc)}" for name, doc in tools.items()), "",
+        "`moh <command> --help` lists the options of a command."])
+
+
+def unknown_command(name: str) -> str:
+    """One line naming the commands and the one nearest to the mistyped ``name``."""
+    nearest = difflib.get_close_matches(name, commands(), n=1)
+    hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
+    return f"moh: unknown command {name!r}{hint}; the commands are {', '.join(commands())}; `moh --help` says more."
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python.
 
-    A checkpoint refused for what its pickle names (resumed, validated or read by a tool) stops in one line.
+    ``moh``, ``moh -h`` and ``moh --help`` list the commands; an unknown command and a checkpoint refused for what its
+    pickle names (resumed, validated or read by a tool) stop in one line.
     """
     given = list(sys.argv[1:] if args is None else args)
+    if given[:1] in (["-h"], ["--help"]):
+        print(commands_help())
+        return
+    if not given:
+        raise SystemExit(commands_help())
+    if not given[0].startswith("-") and given[0] not in commands():
+        raise SystemExit(unknown_command(given[0]))
     quiet_third_party()
     try:
-        if given and given[0] in TOOLS:
+        if given[0] in TOOLS:
             CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
             return
         MoHLightningCLI(args=args)
