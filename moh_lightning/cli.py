@@ -300,30 +300,32 @@ def threads_restored() -> Iterator[None]:
 
 # Messages a user of `moh` can do nothing about, each silenced by its text and the module that emits it:
 # torchdata's own call of a deprecated torch function, Lightning's own use of a deprecated torch class, and
-# Lightning's advertisement for another logger.
+# Lightning's advertisement for another logger; lm-eval's note that a task's data set is read by the task's own
+# function (as the shipped example's is).
 _QUIET_WARNINGS = ((r"'set_vital' is deprecated", UserWarning, r"torchdata\.stateful_dataloader"),
                    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
                     r"lightning\.pytorch\.utilities\._pytree"))
-_QUIET_INFO = ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging")
+_QUIET_LOGS = (("lightning.pytorch.utilities.rank_zero", r"💡 Tip: For seamless cloud logging"),
+               ("lm_eval.api.task", r"\S+: Custom kwargs can be passed to `--metadata`"))
 
 
 def quiet_third_party() -> None:
-    """Silences the third-party messages in ``_QUIET_WARNINGS`` and ``_QUIET_INFO``, and nothing else."""
+    """Silences the third-party messages in ``_QUIET_WARNINGS`` and ``_QUIET_LOGS``, and nothing else."""
     for message, category, module in _QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    name, prefix = _QUIET_INFO
-    logger = logging.getLogger(name)
-    if not any(getattr(f, "prefix", None) == prefix for f in logger.filters):
-        logger.addFilter(_DropPrefix(prefix))
+    for name, pattern in _QUIET_LOGS:
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "pattern", None) == pattern for f in logger.filters):
+            logger.addFilter(_DropMatching(pattern))
 
 
-class _DropPrefix(logging.Filter):
-    def __init__(self, prefix: str) -> None:
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: str) -> None:
         super().__init__()
-        self.prefix = prefix
+        self.pattern = pattern
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        return re.match(self.pattern, str(record.msg)) is None
 
 
 def _tool(name: str) -> Callable:
