@@ -300,12 +300,15 @@ def threads_restored() -> Iterator[None]:
 
 # Messages a user of `moh` can do nothing about, each silenced by its text and the module that emits it:
 # torchdata's own call of a deprecated torch function, Lightning's own use of a deprecated torch class, and
-# Lightning's advertisement for another logger; lm-eval's note that a task's data set is read by the task's own
-# function (as the shipped example's is).
+# Lightning's advertisement for another logger; lm-eval's notes that `moh lm-eval --checkpoint` hands its harness model
+# a built network (as it must: a `moh fit` checkpoint is no hub folder), and that a task's data set is read by the
+# task's own function (as the shipped example's is).
 _QUIET_WARNINGS = ((r"'set_vital' is deprecated", UserWarning, r"torchdata\.stateful_dataloader"),
                    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
                     r"lightning\.pytorch\.utilities\._pytree"))
 _QUIET_LOGS = (("lightning.pytorch.utilities.rank_zero", r"💡 Tip: For seamless cloud logging"),
+               ("lm_eval.models.huggingface", r"`pretrained` model kwarg is not of type `str`"),
+               ("lm_eval.models.huggingface", r"Passed an already-initialized model through `pretrained`"),
                ("lm_eval.api.task", r"\S+: Custom kwargs can be passed to `--metadata`"))
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import torch
 from lm_eval.api.registry import register_model
@@ -133,6 +135,7 @@ def lm_eval(
             writes (read it first: loading runs it). The suite's own file is trusted without this.
     """
     import lm_eval as harness
+    from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
@@ -152,8 +155,12 @@ def lm_eval(
                                    "trust_remote_code": remote_code_trusted(Path(hf_folder), trust_remote_code)}
     if add_bos_token is not None:
         model_args["add_bos_token"] = add_bos_token
-    results = harness.simple_evaluate(model=model, model_args=model_args, tasks=loaded, num_fewshot=num_fewshot,
-                                      batch_size=batch_size, limit=limit, device=device, task_manager=task_manager)
+    # lm-eval records the working folder's git commit by running `git describe`, whose stderr reaches the terminal
+    # outside a repository ("fatal: not a git repository"); its lookup runs with that stderr discarded.
+    with mock.patch.object(evaluator, "get_git_commit_hash", _without_stderr(evaluator.get_git_commit_hash)):
+        results = harness.simple_evaluate(model=model, model_args=model_args, tasks=loaded, num_fewshot=num_fewshot,
+                                          batch_size=batch_size, limit=limit, device=device,
+                                          task_manager=task_manager)
     print(make_table(results))
     summary = {"results": results["results"], "config": {"model": model, "device": device, **model_args}}
     if output:
@@ -212,6 +219,20 @@ def offline_unless_hub_answers(timeout: float = 3.0) -> None:
         get_session().head(constants.ENDPOINT, timeout=timeout)
     except Exception:  # no answer at all (the HTTP client's connect, timeout and proxy errors); any status is one
         constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+
+
+def _without_stderr(function):
+    """``function`` run with this process's stderr file descriptor, which its subprocesses inherit, on /dev/null."""
+    def run(*args, **kwargs):
+        with open(os.devnull, "w") as null:
+            saved = os.dup(2)
+            os.dup2(null.fileno(), 2)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+    return run
 
 
 def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:

@@ -1,8 +1,9 @@
 """lm-evaluation-harness on MoH checkpoints: the shipped example task and a local generation task, no hub access;
-tasks that cannot be had stop in one line."""
+tasks that cannot be had stop in one line, and the harness's notes a user can do nothing about stay silent."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -13,6 +14,7 @@ from lm_eval_tasks import EXAMPLE_TASK, QUESTIONS, write_generation_task
 from tiny_models import tiny_llama_config
 
 from moh_lightning.cli import main as moh
+from moh_lightning.cli import quiet_third_party
 from moh_lightning.data.text import TextDataModule, TextSource
 from moh_lightning.tasks.language_model import LanguageModel
 from moh_lightning.tools.lm_eval import MoHLM
@@ -75,12 +77,30 @@ def test_lm_eval_tool_needs_one_model():
         moh(["lm-eval", "--tasks", "[tiny_choice]"])
 
 
-def test_the_shipped_example_runs_by_name_from_any_folder(workspace, run_dir):
+def test_the_shipped_example_runs_by_name_from_any_folder_without_the_harness_notes(workspace, run_dir, capfd,
+                                                                                    caplog):
+    """From an empty folder outside any git repository: the example's data is read beside its YAML, and neither
+    lm-eval's note on the built network nor git's "fatal: not a git repository" reaches the terminal."""
     moh(["lm-eval", "--checkpoint", str(workspace / "tiny.ckpt"), "--include_path", "lm_eval_tasks",
          "--include_defaults", "false", "--tasks", "[python_basics]", "--output", "results.json"])
     results = json.loads((run_dir / "results.json").read_text())["results"]["python_basics"]
     assert 0.0 <= results["acc,none"] <= 1.0 and results["acc_norm,none"] >= 0.0
+    out, err = capfd.readouterr()  # git's stderr included, which goes to the file descriptor
+    assert "python_basics" in out
+    for note in ("`pretrained` model kwarg", "already-initialized model", "Custom kwargs", "fatal:"):
+        assert note not in out + err + caplog.text, note
 
+
+def test_only_the_named_harness_notes_are_silenced(caplog):
+    quiet_third_party()
+    model, task = logging.getLogger("lm_eval.models.huggingface"), logging.getLogger("lm_eval.api.task")
+    model.warning("`pretrained` model kwarg is not of type `str`. Many other model arguments may be ignored.")
+    model.warning("Passed an already-initialized model through `pretrained`, assuming single-process call")
+    task.warning("python_basics: Custom kwargs can be passed to `--metadata` in console (as json string)")
+    model.warning("another note of the harness")
+    model.warning("a note that mentions `pretrained` model kwarg is not of type `str` later")
+    assert [record.getMessage() for record in caplog.records] == [
+        "another note of the harness", "a note that mentions `pretrained` model kwarg is not of type `str` later"]
 
 def _error(args: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
