@@ -5,10 +5,12 @@ file resolves against the suite's ``cli_configs/``. A config may start with ``ex
 are stacked before it, so an experiment states only what makes it that experiment. Every run writes into its own run
 folder ``runs/<name>/version_N/`` (events, resolved config, checkpoints; see ``moh_lightning.runs``). Tools that are
 not Trainer loops (sampling, generation, evaluation, benchmarks, sweeps) are plain typed functions listed in
-``TOOLS`` and parsed by jsonargparse, so they take ``--help``, ``--config`` and overrides the same way.
+``TOOLS`` and parsed by jsonargparse, so they take ``--help``, ``--config`` and overrides the same way; ``moh --help``
+lists every command with the first sentence of its docstring.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import logging
@@ -23,8 +25,9 @@ from pathlib import Path
 import torch
 import yaml
 from jsonargparse import CLI
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from moh_lightning.callbacks import (
@@ -35,6 +38,7 @@ from moh_lightning.callbacks import (
     RunSummary,
     StepCheckpoint,
 )
+from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
 from moh_lightning.configs import expand_config
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
@@ -241,6 +245,18 @@ class MoHLightningCLI(LightningCLI):
         logger_args.version = int(version_dir.name.removeprefix("version_"))
         config.ckpt_path = str(checkpoint)
 
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        # The bar Lightning adds when none is configured becomes the suite's, which labels unlimited epochs truthfully.
+        # Lightning adds its own callbacks to the configured list itself, so that is copied first.
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        configured = config.trainer.get("callbacks") or []
+        configured = list(configured) if isinstance(configured, list) else [configured]
+        trainer = super().instantiate_trainer(**kwargs)
+        for i, callback in enumerate(trainer.callbacks):
+            if type(callback) is RichProgressBar and not any(callback is given for given in configured):
+                trainer.callbacks[i] = MoHRichProgressBar()
+        return trainer
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -284,30 +300,35 @@ def threads_restored() -> Iterator[None]:
 
 # Messages a user of `moh` can do nothing about, each silenced by its text and the module that emits it:
 # torchdata's own call of a deprecated torch function, Lightning's own use of a deprecated torch class, and
-# Lightning's advertisement for another logger.
+# Lightning's advertisement for another logger; lm-eval's notes that `moh lm-eval --checkpoint` hands its harness model
+# a built network (as it must: a `moh fit` checkpoint is no hub folder), and that a task's data set is read by the
+# task's own function (as the shipped example's is).
 _QUIET_WARNINGS = ((r"'set_vital' is deprecated", UserWarning, r"torchdata\.stateful_dataloader"),
                    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
                     r"lightning\.pytorch\.utilities\._pytree"))
-_QUIET_INFO = ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging")
+_QUIET_LOGS = (("lightning.pytorch.utilities.rank_zero", r"💡 Tip: For seamless cloud logging"),
+               ("lm_eval.models.huggingface", r"`pretrained` model kwarg is not of type `str`"),
+               ("lm_eval.models.huggingface", r"Passed an already-initialized model through `pretrained`"),
+               ("lm_eval.api.task", r"\S+: Custom kwargs can be passed to `--metadata`"))
 
 
 def quiet_third_party() -> None:
-    """Silences the third-party messages in ``_QUIET_WARNINGS`` and ``_QUIET_INFO``, and nothing else."""
+    """Silences the third-party messages in ``_QUIET_WARNINGS`` and ``_QUIET_LOGS``, and nothing else."""
     for message, category, module in _QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    name, prefix = _QUIET_INFO
-    logger = logging.getLogger(name)
-    if not any(getattr(f, "prefix", None) == prefix for f in logger.filters):
-        logger.addFilter(_DropPrefix(prefix))
+    for name, pattern in _QUIET_LOGS:
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "pattern", None) == pattern for f in logger.filters):
+            logger.addFilter(_DropMatching(pattern))
 
 
-class _DropPrefix(logging.Filter):
-    def __init__(self, prefix: str) -> None:
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: str) -> None:
         super().__init__()
-        self.prefix = prefix
+        self.pattern = pattern
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        return re.match(self.pattern, str(record.msg)) is None
 
 
 def _tool(name: str) -> Callable:
@@ -315,15 +336,54 @@ def _tool(name: str) -> Callable:
     return getattr(importlib.import_module(module), function)
 
 
+def commands() -> list[str]:
+    """Every ``moh`` command: the Trainer's (LightningCLI's subcommands), then the tools."""
+    return [*LightningCLI.subcommands(), *TOOLS]
+
+
+def _first_sentence(doc: str | None) -> str:
+    sentence = " ".join((doc or "").strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".")
+    return sentence.replace("``", "`") + "."
+
+
+def commands_help() -> str:
+    """What ``moh --help`` prints: every command with the first sentence of its docstring, the Trainer method's or
+    the tool function's (importing every tool for it takes a fraction of a second, next to seconds for Lightning)."""
+    loops = {name: getattr(Trainer, name).__doc__ for name in LightningCLI.subcommands()}
+    tools = {name: _tool(name).__doc__ for name in TOOLS}
+    width = max(map(len, commands()))
+    return "\n".join([
+        "usage: moh <command> [--config NAME] [--key value ...]", "",
+        "Trainer loops (LightningCLI; a --config name resolves against the shipped cli_configs/):",
+        *(f"  {name:<{width}}  {_first_sentence(doc)}" for name, doc in loops.items()), "", "Tools:",
+        *(f"  {name:<{width}}  {_first_sentence(doc)}" for name, doc in tools.items()), "",
+        "`moh <command> --help` lists the options of a command."])
+
+
+def unknown_command(name: str) -> str:
+    """One line naming the commands and the one nearest to the mistyped ``name``."""
+    nearest = difflib.get_close_matches(name, commands(), n=1)
+    hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
+    return f"moh: unknown command {name!r}{hint}; the commands are {', '.join(commands())}; `moh --help` says more."
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python.
 
-    A checkpoint refused for what its pickle names (resumed, validated or read by a tool) stops in one line.
+    ``moh``, ``moh -h`` and ``moh --help`` list the commands; an unknown command and a checkpoint refused for what its
+    pickle names (resumed, validated or read by a tool) stop in one line.
     """
     given = list(sys.argv[1:] if args is None else args)
+    if given[:1] in (["-h"], ["--help"]):
+        print(commands_help())
+        return
+    if not given:
+        raise SystemExit(commands_help())
+    if not given[0].startswith("-") and given[0] not in commands():
+        raise SystemExit(unknown_command(given[0]))
     quiet_third_party()
     try:
-        if given and given[0] in TOOLS:
+        if given[0] in TOOLS:
             CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
             return
         MoHLightningCLI(args=args)

@@ -1,7 +1,8 @@
 """Every use of Lightning's private API, in one place, behind functions named for what they stand for.
 
 The reliability callbacks need a few things Lightning does not expose publicly (when a validation follows a
-batch, putting a resumed train loader back at its position, ModelCheckpoint's own saving steps). Private names
+batch, putting a resumed train loader back at its position, ModelCheckpoint's own saving steps), and the progress
+bar a fix of its epoch label. Private names
 may change in any Lightning release, so they are all here and listed in ``PRIVATE_LIGHTNING_NAMES``;
 ``tests/callbacks/test_lightning_compat.py`` fails when the installed Lightning no longer has one of them, and
 pyproject.toml caps Lightning at the versions that test has passed on.
@@ -12,7 +13,7 @@ from typing import Any
 
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
 # Import path of every private Lightning name used below: ``module.function`` or ``module.Class.attribute``
 # (attributes that Lightning sets on instances included).
@@ -30,6 +31,7 @@ PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._save_last_checkpoint",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._every_n_train_steps",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._last_global_step_saved",
+    "lightning.pytorch.callbacks.progress.rich_progress.RichProgressBar._get_train_description",
 )
 
 
@@ -91,3 +93,14 @@ def train_loader_states(checkpoint: dict[str, Any]) -> list | None:
 def set_train_loader_states(checkpoint: dict[str, Any], states: list) -> None:
     """Replaces the train loaders' states in a loaded checkpoint dict, before Lightning restores the loops from it."""
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+
+
+class MoHRichProgressBar(RichProgressBar):
+    """Lightning's Rich progress bar, with no epoch total where epochs are unlimited (``max_epochs: -1``, as when a
+    language model's token budget ends training): Lightning 2.6 shows "Epoch 0/-2" there, 2.7 "Epoch 0" (PR 21924)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs != -1:
+            return super()._get_train_description(current_epoch)
+        # Padded to the validation bar's label, as Lightning pads it, so the bars do not flicker.
+        return f"Epoch {current_epoch}".ljust(len(self.validation_description))

@@ -43,7 +43,9 @@ class RunSummary(Callback):
 
 def summary_lines(trainer: Trainer, pl_module: LightningModule, log_dir: str | None) -> list[str]:
     """The summary's lines (see ``RunSummary``); ``log_dir`` is ``trainer.log_dir``."""
-    lines = [f"moh fit finished at step {trainer.global_step} (epoch {trainer.current_epoch})."]
+    # current_epoch counts the epochs begun once fit ends (a stop mid-epoch counts that epoch); the progress bar and
+    # the checkpoint names number them from 0.
+    lines = [f"moh fit finished at step {trainer.global_step} (epoch {max(trainer.current_epoch - 1, 0)})."]
     loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
     if loggers and log_dir:
         lines.append(f"  run folder:  {log_dir}")

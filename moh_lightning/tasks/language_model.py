@@ -4,7 +4,8 @@ AdamW (weight decay 0.1 on matrices and embeddings, none on norms), linear warm-
 then cosine decay to ``min_lr`` over the token budget, load-balance loss beta 0.01 with the learned router and 0
 with the query-norm router (see ``load_balance_beta``). Gradient clipping (1.0),
 bf16 and gradient accumulation are Trainer settings in the configs. Training stops once ``max_tokens``
-tokens have been consumed. Loss, perplexity and, for the byte tokenizer, bits per byte are logged.
+tokens have been consumed; the trainer's ``max_steps`` (the progress bar's total) is set from that budget when
+training starts. Loss, perplexity and, for the byte tokenizer, bits per byte are logged.
 """
 from __future__ import annotations
 
@@ -135,6 +136,13 @@ class LanguageModel(MoHTask):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
+
+    def on_train_start(self) -> None:
+        # The token budget ends training, so it also bounds the trainer's steps, which the configs leave unlimited
+        # (-1): the progress bar then counts (and times) the budget's steps instead of a whole epoch of windows.
+        loop = self.trainer.fit_loop
+        budget = self.total_steps()
+        loop.epoch_loop.max_steps = budget if loop.max_steps == -1 else min(loop.max_steps, budget)
 
     def total_steps(self) -> int:
         """Optimizer steps in the token budget, from the data module's batch shape and the accumulation."""

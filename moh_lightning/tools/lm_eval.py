@@ -4,12 +4,17 @@
 batching, loglikelihood / rolling / generate_until logic, tokenisation) and only swaps the network for a
 ``moh fit`` checkpoint, so learned-router models trained from scratch are evaluated exactly like Hugging Face
 ones. Folders written by ``moh convert-llama`` / ``moh export-hf`` go through lm-eval's stock ``hf`` model
-instead (``--hf_folder``). The paper's benchmarks (Tab. 4 / 5) are the default task list.
+instead (``--hf_folder``). The paper's benchmarks (Tab. 4 / 5) are the default task list; offline, local tasks
+(``--include_path``) are evaluated, such as the shipped example ``cli_configs/lm_eval_tasks/`` (``--include_path
+lm_eval_tasks``).
 """
 from __future__ import annotations
 
+import difflib
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import torch
 from lm_eval.api.registry import register_model
@@ -17,10 +22,12 @@ from lm_eval.models.huggingface import HFLM
 from torch import nn
 from transformers import PretrainedConfig
 
+from moh_lightning.configs import config_dir
 from moh_lightning.models.llama import MoHLlama
 
 PAPER_TASKS = ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc2", "lambada_openai",
                "arc_easy", "boolq"]
+EXAMPLE_TASKS = "lm_eval_tasks"  # cli_configs/lm_eval_tasks/: the example local task python_basics, no hub needed
 
 
 class _HarnessView(nn.Module):
@@ -117,7 +124,9 @@ def lm_eval(
         batch_size: Requests per forward pass.
         limit: Documents per task (a count, or a fraction when below 1); all when None.
         device: ``cpu`` or ``cuda``.
-        include_path: Folder of extra task YAMLs (local tasks, e.g. over a JSON dataset).
+        include_path: Folder of extra task YAMLs (local tasks, e.g. over a JSON dataset), or the name of a shipped
+            one: ``lm_eval_tasks``, the example task ``python_basics`` (16 multiple-choice completions of Python and
+            English), read from any working folder.
         include_defaults: Also index lm-eval's built-in tasks (False: only ``include_path``, much faster).
         add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA); the tokenizer's
             default for ``--hf_folder``, False for ``--checkpoint`` (our training data has no BOS).
@@ -126,6 +135,7 @@ def lm_eval(
             writes (read it first: loading runs it). The suite's own file is trusted without this.
     """
     import lm_eval as harness
+    from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
@@ -133,6 +143,11 @@ def lm_eval(
         raise ValueError("give exactly one of --checkpoint (a .ckpt) or --hf_folder (an exported folder).")
     if hf_folder is not None and not Path(hf_folder, "config.json").is_file():
         raise FileNotFoundError(f"--hf_folder {hf_folder}: no config.json; export one with `moh export-hf`.")
+    include_path = task_folder(include_path) if include_path else None
+    offline_unless_hub_answers()
+    # Tasks (and their data) load before the model, so a task that cannot stops the tool before a model is built.
+    task_manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
+    loaded = [obj for name in tasks or PAPER_TASKS for obj in load_task(task_manager, name)]
     if checkpoint is not None:
         model, model_args = "moh", {"checkpoint": checkpoint}
     else:
@@ -140,17 +155,84 @@ def lm_eval(
                                    "trust_remote_code": remote_code_trusted(Path(hf_folder), trust_remote_code)}
     if add_bos_token is not None:
         model_args["add_bos_token"] = add_bos_token
-    results = harness.simple_evaluate(
-        model=model, model_args=model_args, tasks=tasks or PAPER_TASKS, num_fewshot=num_fewshot,
-        batch_size=batch_size, limit=limit, device=device,
-        task_manager=TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path),
-    )
+    # lm-eval records the working folder's git commit by running `git describe`, whose stderr reaches the terminal
+    # outside a repository ("fatal: not a git repository"); its lookup runs with that stderr discarded.
+    with mock.patch.object(evaluator, "get_git_commit_hash", _without_stderr(evaluator.get_git_commit_hash)):
+        results = harness.simple_evaluate(model=model, model_args=model_args, tasks=loaded, num_fewshot=num_fewshot,
+                                          batch_size=batch_size, limit=limit, device=device,
+                                          task_manager=task_manager)
     print(make_table(results))
     summary = {"results": results["results"], "config": {"model": model, "device": device, **model_args}}
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def task_folder(include_path: str) -> str:
+    """``--include_path`` as given when it exists, else the shipped folder of that name in ``cli_configs/``."""
+    if Path(include_path).exists():
+        return include_path
+    shipped = config_dir() / include_path
+    if shipped.is_dir():
+        return str(shipped)
+    raise SystemExit(f"moh lm-eval: --include_path {include_path}: no such folder here nor in the shipped configs; "
+                     f"give a folder of task YAMLs, or {EXAMPLE_TASKS} for the shipped example.")
+
+
+def load_task(task_manager, name: str) -> list:
+    """The task, group or tag ``name`` as lm-eval builds it (data set loaded), as the objects to evaluate.
+
+    A name lm-eval does not know, and a task whose data set is on an unreachable hub, stop in one line naming it.
+    """
+    known = task_manager.all_tasks
+    if name not in known and not Path(name).is_file():
+        # A folder's own tasks are few enough to list; lm-eval's thousands are not.
+        shown = f"the tasks here: {', '.join(known)}" if len(known) <= 10 else (
+            f"nearest: {', '.join(difflib.get_close_matches(name, known, n=3)) or 'none'}")
+        raise SystemExit(f"moh lm-eval: unknown task {name!r} ({shown}); name an lm-eval task, or one of the task "
+                         f"YAMLs of a folder given to --include_path ({EXAMPLE_TASKS} is the shipped example).")
+    try:
+        built = task_manager.load(name)
+    except ConnectionError as error:  # datasets' error for a hub it cannot reach, offline mode included
+        raise SystemExit(f"moh lm-eval: task {name!r} reads its data set from the Hugging Face hub, which cannot be "
+                         f"reached ({error}); evaluate a local task instead, e.g. --include_path {EXAMPLE_TASKS} "
+                         f"--include_defaults false --tasks '[python_basics]'.") from None
+    # A group's tasks and subgroups are inside it; each is passed once, at the top.
+    children = {child for kids in built.get("group_map", {}).values() for child in kids}
+    return [obj for key, obj in {**built.get("groups", {}), **built["tasks"]}.items() if key not in children]
+
+
+def offline_unless_hub_answers(timeout: float = 3.0) -> None:
+    """Turns on ``huggingface_hub``'s and ``datasets``' offline mode when the hub does not answer within ``timeout``.
+
+    Unreachable, ``datasets`` retries each hub request with back-off for about half a minute before it fails; in
+    offline mode it reads its cache or fails at once. Both libraries read ``HF_HUB_OFFLINE`` when imported, which
+    lm-eval has done by now, so their own flags are set.
+    """
+    import datasets
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
+        return
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception:  # no answer at all (the HTTP client's connect, timeout and proxy errors); any status is one
+        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+
+
+def _without_stderr(function):
+    """``function`` run with this process's stderr file descriptor, which its subprocesses inherit, on /dev/null."""
+    def run(*args, **kwargs):
+        with open(os.devnull, "w") as null:
+            saved = os.dup(2)
+            os.dup2(null.fileno(), 2)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+    return run
 
 
 def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
@@ -170,4 +252,5 @@ def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
     return trust_remote_code or any(folder.glob("*.py"))
 
 
-__all__ = ["MoHLM", "PAPER_TASKS", "lm_eval", "remote_code_trusted"]
+__all__ = ["EXAMPLE_TASKS", "MoHLM", "PAPER_TASKS", "lm_eval", "load_task", "offline_unless_hub_answers",
+           "remote_code_trusted", "task_folder"]

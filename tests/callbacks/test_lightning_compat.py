@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
 from moh_lightning.callbacks import lightning_compat, reliability
-from moh_lightning.callbacks.lightning_compat import PRIVATE_LIGHTNING_NAMES
+from moh_lightning.callbacks.lightning_compat import PRIVATE_LIGHTNING_NAMES, MoHRichProgressBar
+from moh_lightning.cli import MoHLightningCLI
 
 
 def _resolve_owner(path: str) -> tuple[object, str]:
@@ -81,3 +82,12 @@ def test_reliability_uses_no_private_lightning_name() -> None:
                        and (node.module or "").startswith("lightning") for alias in node.names
                        if alias.name.startswith("_")]
     assert not private_imports, "import private Lightning names in lightning_compat.py only"
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_moh_labels_unlimited_epochs_unless_a_bar_is_configured(run_dir, configured) -> None:
+    """Lightning's own Rich bar shows ``max_epochs: -1`` as "Epoch 0/-2"; `moh` puts the suite's in its place (its
+    label: tests/tasks/test_language_model.py::test_progress_bar_counts_the_token_budget)."""
+    bar = ["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"] if configured else []
+    cli = MoHLightningCLI(args=["--config", "vit_tiny_mnist_75.yaml", "--trainer.logger", "false", *bar], run=False)
+    assert type(cli.trainer.progress_bar_callback) is (RichProgressBar if configured else MoHRichProgressBar)

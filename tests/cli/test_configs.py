@@ -73,13 +73,16 @@ def _task_hparams(task: dict) -> dict:
 
 # Callbacks added to every run since the snapshot; they write or print, and change no training.
 ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor"}
+# Lightning's Rich progress bar became the suite's, which labels unlimited epochs ("Epoch 0", not "Epoch 0/-2").
+RENAMED_CALLBACKS = {"MoHRichProgressBar": "RichProgressBar"}
 
 
 def _callbacks(callbacks: list) -> list:
     # The intended change: the run folder's last.ckpt is StepCheckpoint's alone, so the recipes' ModelCheckpoint (best
     # or periodic checkpoints in the same folder) no longer writes a second last.ckpt there.
-    return [[name, {k: v for k, v in attrs.items() if not (name == "ModelCheckpoint" and k == "save_last")}]
-            for name, attrs in callbacks if name not in ADDED_CALLBACKS]
+    return sorted([[RENAMED_CALLBACKS.get(name, name),
+                    {k: v for k, v in attrs.items() if not (name == "ModelCheckpoint" and k == "save_last")}]
+                   for name, attrs in callbacks if name not in ADDED_CALLBACKS], key=json.dumps)
 
 
 def _layers(layers: list) -> list:

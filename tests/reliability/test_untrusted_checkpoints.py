@@ -80,7 +80,8 @@ def test_the_loader_refuses_the_file_and_runs_nothing(evil):
     ["sample", "--checkpoint", "{ckpt}", "--num_samples", "1"],
     ["export-timm", "--checkpoint", "{ckpt}", "--out", "exported"],
     ["digit_quality", "--samples", "{samples}", "--classifier", "{ckpt}"],
-    ["lm-eval", "--checkpoint", "{ckpt}", "--tasks", "[none]", "--include_defaults", "false"],
+    ["lm-eval", "--checkpoint", "{ckpt}", "--include_path", "lm_eval_tasks", "--include_defaults", "false",
+     "--tasks", "[python_basics]"],
 ], ids=lambda args: args[0])
 def test_every_tool_refuses_it_in_one_line(evil, tool):
     path, marker = evil

@@ -13,6 +13,7 @@ from conftest import class_of, printed_config
 from tiny_models import TINY_LLM_BUDGETS, tiny_llama_config
 from transformers import ByT5Tokenizer
 
+from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import (
     EvenChunks,
@@ -211,6 +212,27 @@ def test_token_budget_stops_training_and_loss_falls(tmp_path):
     assert metrics["val/loss"] < math.log(259) - 1.0  # far below the uniform guess
     assert task.head_load_groups({"source": torch.tensor([0, 0])}).tolist() == [0, 0]
 
+
+def test_progress_bar_counts_the_token_budget(tmp_path):
+    """The bar counts the budget's steps, in each epoch those left; with the configs' max_epochs -1 it showed a whole
+    epoch of windows, and Lightning's Rich bar "Epoch 0/-2"."""
+    shown = set()
+
+    class Look(L.Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            bar = trainer.progress_bar_callback
+            row = bar.progress.tasks[bar.train_progress_bar_id]
+            shown.add((row.description.strip(), row.total))
+
+    dm = TextDataModule(sources=[TextSource(path=str(_corpus(tmp_path, "c", "def f(x): return x")))], seq_len=16,
+                        batch_size=4, cache_dir=str(tmp_path / "cache"))
+    task = LanguageModel(tiny_llama_config("tiny_75"), warmup_steps=2, max_tokens=16 * 4 * 5)  # 5 steps
+    trainer = L.Trainer(max_epochs=-1, limit_train_batches=3, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        callbacks=[MoHRichProgressBar(), Look()])
+    trainer.fit(task, dm)
+    assert trainer.global_step == 5 and trainer.max_steps == 5
+    assert sorted(shown) == [("Epoch 0", 3), ("Epoch 1", 2)]
 
 def test_checkpoint_reload_and_generate_tool(tmp_path, capsys):
     trainer, task, dm = _fit(tmp_path, max_tokens=10 ** 9, max_steps=4)

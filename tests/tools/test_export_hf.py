@@ -8,7 +8,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lm_eval_tasks import write_tasks
 from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
 
 from moh_lightning.cli import main as moh
@@ -58,7 +57,6 @@ def learned(tmp_path_factory) -> Path:
     trainer.save_checkpoint(root / "learned.ckpt")
     moh(["export-hf", "--checkpoint", str(root / "learned.ckpt"), "--out", str(root / "hf")])
 
-    write_tasks(root)
     return root
 
 
@@ -110,11 +108,11 @@ def test_lm_eval_hf_model_evaluates_the_learned_export_as_the_checkpoint(learned
     results = {}
     for flag, value in (("--checkpoint", learned / "learned.ckpt"), ("--hf_folder", learned / "hf")):
         output = learned / f"results{flag}.json"
-        moh(["lm-eval", flag, str(value), "--tasks", "[tiny_choice]", "--include_path", str(learned / "tasks"),
+        moh(["lm-eval", flag, str(value), "--tasks", "[python_basics]", "--include_path", "lm_eval_tasks",
              "--include_defaults", "false", "--batch_size", "2", "--add_bos_token", "false", "--output", str(output)])
         results[flag] = json.loads(output.read_text())
     assert results["--hf_folder"]["config"]["model"] == "hf"  # lm-eval's own transformers model
-    accuracy = {flag: result["results"]["tiny_choice"]["acc,none"] for flag, result in results.items()}
+    accuracy = {flag: result["results"]["python_basics"]["acc,none"] for flag, result in results.items()}
     assert accuracy["--checkpoint"] == accuracy["--hf_folder"]
 
 

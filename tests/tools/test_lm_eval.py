@@ -1,17 +1,20 @@
-"""lm-evaluation-harness on MoH checkpoints: a local task over a JSON dataset written here, no hub access."""
+"""lm-evaluation-harness on MoH checkpoints: the shipped example task and a local generation task, no hub access;
+tasks that cannot be had stop in one line, and the harness's notes a user can do nothing about stay silent."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lm_eval.api.instance import Instance
-from lm_eval_tasks import QUESTIONS, write_tasks
+from lm_eval_tasks import EXAMPLE_TASK, QUESTIONS, write_generation_task
 from tiny_models import tiny_llama_config
 
 from moh_lightning.cli import main as moh
+from moh_lightning.cli import quiet_third_party
 from moh_lightning.data.text import TextDataModule, TextSource
 from moh_lightning.tasks.language_model import LanguageModel
 from moh_lightning.tools.lm_eval import MoHLM
@@ -19,7 +22,7 @@ from moh_lightning.tools.lm_eval import MoHLM
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    """A briefly trained tiny query-norm MoH checkpoint, its transformers export, and two local tasks."""
+    """A briefly trained tiny query-norm MoH checkpoint, its transformers export, and a local generation task."""
     root = tmp_path_factory.mktemp("lm_eval")
     corpus = root / "corpus"
     corpus.mkdir()
@@ -35,7 +38,7 @@ def workspace(tmp_path_factory) -> Path:
     trainer.save_checkpoint(root / "tiny.ckpt")
     moh(["export-hf", "--checkpoint", str(root / "tiny.ckpt"), "--out", str(root / "hf")])
 
-    write_tasks(root, generation=True)
+    write_generation_task(root)
     return root
 
 
@@ -58,17 +61,75 @@ def test_lm_eval_tool_on_local_tasks_checkpoint_and_export_agree(workspace, caps
     results = {}
     for flag, value in (("--checkpoint", workspace / "tiny.ckpt"), ("--hf_folder", workspace / "hf")):
         output = workspace / f"results{flag}.json"
-        moh(["lm-eval", flag, str(value), "--tasks", "[tiny_choice, tiny_gen]", "--include_path",
+        moh(["lm-eval", flag, str(value), "--tasks", f"[{EXAMPLE_TASK}, tiny_gen]", "--include_path",
              str(workspace / "tasks"), "--include_defaults", "false", "--batch_size", "2",
              "--add_bos_token", "false", "--output", str(output)])
         results[flag] = json.loads(output.read_text())["results"]
-    assert "tiny_choice" in capsys.readouterr().out
+    assert "python_basics" in capsys.readouterr().out
     ours, exported = results["--checkpoint"], results["--hf_folder"]
-    assert 0.0 <= ours["tiny_choice"]["acc,none"] <= 1.0
-    assert ours["tiny_choice"]["acc,none"] == exported["tiny_choice"]["acc,none"]
+    assert 0.0 <= ours["python_basics"]["acc,none"] <= 1.0
+    assert ours["python_basics"]["acc,none"] == exported["python_basics"]["acc,none"]
     assert ours["tiny_gen"]["exact_match,none"] == exported["tiny_gen"]["exact_match,none"]
 
 
 def test_lm_eval_tool_needs_one_model():
     with pytest.raises(ValueError, match="exactly one"):
         moh(["lm-eval", "--tasks", "[tiny_choice]"])
+
+
+def test_the_shipped_example_runs_by_name_from_any_folder_without_the_harness_notes(workspace, run_dir, capfd,
+                                                                                    caplog):
+    """From an empty folder outside any git repository: the example's data is read beside its YAML, and neither
+    lm-eval's note on the built network nor git's "fatal: not a git repository" reaches the terminal."""
+    moh(["lm-eval", "--checkpoint", str(workspace / "tiny.ckpt"), "--include_path", "lm_eval_tasks",
+         "--include_defaults", "false", "--tasks", "[python_basics]", "--output", "results.json"])
+    results = json.loads((run_dir / "results.json").read_text())["results"]["python_basics"]
+    assert 0.0 <= results["acc,none"] <= 1.0 and results["acc_norm,none"] >= 0.0
+    out, err = capfd.readouterr()  # git's stderr included, which goes to the file descriptor
+    assert "python_basics" in out
+    for note in ("`pretrained` model kwarg", "already-initialized model", "Custom kwargs", "fatal:"):
+        assert note not in out + err + caplog.text, note
+
+
+def test_only_the_named_harness_notes_are_silenced(caplog):
+    quiet_third_party()
+    model, task = logging.getLogger("lm_eval.models.huggingface"), logging.getLogger("lm_eval.api.task")
+    model.warning("`pretrained` model kwarg is not of type `str`. Many other model arguments may be ignored.")
+    model.warning("Passed an already-initialized model through `pretrained`, assuming single-process call")
+    task.warning("python_basics: Custom kwargs can be passed to `--metadata` in console (as json string)")
+    model.warning("another note of the harness")
+    model.warning("a note that mentions `pretrained` model kwarg is not of type `str` later")
+    assert [record.getMessage() for record in caplog.records] == [
+        "another note of the harness", "a note that mentions `pretrained` model kwarg is not of type `str` later"]
+
+def _error(args: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        moh(["lm-eval", "--checkpoint", "never_read.ckpt", *args])  # tasks load before the model
+    message = str(exit_info.value.code)
+    assert "\n" not in message, message
+    return message
+
+
+def test_an_unknown_task_or_folder_is_one_line_naming_it():
+    message = _error(["--include_path", "lm_eval_tasks", "--include_defaults", "false", "--tasks", "[python_basic]"])
+    assert "'python_basic'" in message and "python_basics" in message and "--include_path" in message
+    message = _error(["--include_path", "no_such_folder", "--tasks", "[python_basics]"])
+    assert "no_such_folder" in message and "lm_eval_tasks" in message
+
+
+@pytest.mark.parametrize("offline", ["set", "hub unreachable"])
+def test_a_hub_task_offline_is_one_line_naming_it_and_include_path(offline, tmp_path, monkeypatch):
+    """Offline mode set (HF_HUB_OFFLINE), or a hub that does not answer: then offline mode is turned on at once,
+    where ``datasets`` would retry each request for half a minute."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline == "set")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", offline == "set")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    (tmp_path / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: moh-lightning-tests/not-cached\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n')
+    message = _error(["--include_path", str(tmp_path), "--include_defaults", "false", "--tasks", "[hub_task]"])
+    assert "'hub_task'" in message and "hub" in message and "--include_path lm_eval_tasks" in message
+    assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
