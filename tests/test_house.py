@@ -194,3 +194,20 @@ def test_named_model_forward_and_backward_are_finite(name):
     assert all(torch.isfinite(p.grad).all() for p in task.model.parameters() if p.grad is not None)
     routed = [m for m in task.modules() if isinstance(m, MoHAttention) and m.is_moh]
     assert ("100" in name) == (not routed)
+
+
+def test_every_package_and_shipped_config_is_in_the_wheel():
+    """pyproject lists the packages (the shipped configs install as a mapped package that find cannot discover): a new
+    subpackage or config folder missing from it would install without it and fail only for pip users."""
+    import tomllib
+    from setuptools import find_packages
+
+    root = PACKAGE.parent
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = find_packages(str(root), include=["moh_lightning*"])
+    assert set(setup["packages"]) == {*found, "moh_lightning.cli_configs"}
+    patterns = setup["package-data"]["moh_lightning.cli_configs"]
+    shipped = {p.relative_to(root / "cli_configs") for p in (root / "cli_configs").rglob("*") if p.is_file()
+               and "__pycache__" not in p.parts}
+    assert shipped == {p for p in shipped if any(p.match(pattern) and len(p.parts) == len(Path(pattern).parts)
+                                                 for pattern in patterns)}
