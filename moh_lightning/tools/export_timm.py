@@ -1,7 +1,7 @@
 """``moh export-timm``: an image classifier trained here (MoH-ViT or MoH-TransNeXt) as a timm hub folder.
 
-The folder is what ``timm.models.push_to_hf_hub`` uploads: ``config.json`` (the registered architecture, the
-arguments that rebuild this network from it, and the preprocessing), ``model.safetensors`` and a model card. Any timm
+The folder is what ``timm.models.push_to_hf_hub`` uploads: ``config.json`` (the architecture, the arguments that
+rebuild this network from it, and the preprocessing), ``model.safetensors`` and a model card. Any timm
 user loads it once the suite's models are registered (importing ``moh_lightning.models.transnext`` or
 ``moh_lightning.models.vit`` registers them)::
 
@@ -22,11 +22,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moh_lightning.data.images import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
-from moh_lightning.models.transnext import NAMED_MODELS, TransNeXtConfig
-from moh_lightning.models.vit import NAMED_VITS, ViTConfig
+from moh_lightning.models.transnext import GENERIC_TRANSNEXT, NAMED_MODELS, TransNeXtConfig
+from moh_lightning.models.vit import GENERIC_VIT, NAMED_VITS, ViTConfig
 
-# Each family: its config class and its table of registered names.
-FAMILIES = {"transnext": (TransNeXtConfig, NAMED_MODELS), "vit": (ViTConfig, NAMED_VITS)}
+# Each family: its config class, its table of registered names and the name of any other shape.
+FAMILIES = {"transnext": (TransNeXtConfig, NAMED_MODELS, GENERIC_TRANSNEXT),
+            "vit": (ViTConfig, NAMED_VITS, GENERIC_VIT)}
+# Fields a named model keeps its name under, as timm's: a new classifier head, the training-only regularisation,
+# and the loading of starting weights.
+_NOT_IDENTITY = {"num_classes", "drop_rate", "drop_path_rate", "pretrained"}
 
 
 def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: bool = False,
@@ -58,30 +62,45 @@ def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: 
     timm.models.save_for_hf(model.eval(), folder, model_args=model_args, safe_serialization=True,
                             data_config=_preprocessing(data, arch))
     (folder / "README.md").write_text(model_card(name, arch, family, checkpoint, model))
+    print(f"wrote {folder}: {name} ({describe(arch)}); load it with `import {_module(family)}` then "
+          f"timm.create_model('local-dir:{folder}', pretrained=True)")
     if push_to:
-        push_folder(folder, push_to, private=private, token=token)
+        print(f"pushed {folder} to {push_folder(folder, push_to, private=private, token=token)}")
     return folder
 
 
 def registered_name(arch: TransNeXtConfig | ViTConfig) -> tuple[str, dict]:
-    """The registered model closest to ``arch`` and the (JSON) arguments that turn it into ``arch``."""
-    config_class, named = FAMILIES["transnext" if isinstance(arch, TransNeXtConfig) else "vit"]
+    """The name ``arch`` exports under and the (JSON) arguments that rebuild it from that name: a registered model's
+    name when ``arch`` is that model (up to its head size and regularisation), else the family's name for any shape
+    (``moh_vit``, ``moh_transnext``) with every field that differs from the family's defaults."""
+    config_class, named, generic = FAMILIES["transnext" if isinstance(arch, TransNeXtConfig) else "vit"]
     ours = _json(asdict(arch))
 
     def differences(name: str) -> dict:
         base = _json(asdict(config_class(**named[name].fields)))
         return {key: value for key, value in ours.items() if value != base[key]}
 
-    # Any registered name rebuilds ``arch`` from its differences; the closest of the same kind (MoH / dense) reads best.
-    same_kind = [name for name in named if (named[name].fields.get("moh") is None) == (arch.moh is None)] or list(named)
-    name = min(same_kind, key=lambda candidate: len(differences(candidate)))
-    return name, differences(name)
+    for name in named:
+        if name != generic and not set(differences(name)) - _NOT_IDENTITY:
+            return name, differences(name)
+    return generic, differences(generic)
+
+
+def describe(arch: TransNeXtConfig | ViTConfig) -> str:
+    """The network in words: its kind, sizes and head budget."""
+    if isinstance(arch, ViTConfig):
+        shape = (f"ViT, {arch.depth} layers of width {arch.embed_dim}, {arch.num_heads} heads, patch {arch.patch_size} "
+                 f"at {arch.img_size}")
+    else:
+        shape = f"TransNeXt, depths {list(arch.depth)}, widths {list(arch.embed_dim)}, heads {list(arch.num_heads)}"
+    heads = "dense" if arch.moh is None else f"MoH, {arch.activated_fraction:.1%} of heads active"
+    return f"{shape}, {heads}, {arch.num_classes} classes"
 
 
 def model_card(name: str, arch: TransNeXtConfig | ViTConfig, family: str, checkpoint: str, model) -> str:
     """A hub model card: what the network is, its head budget, where it came from and how to load it."""
     moh = arch.moh
-    module = "moh_lightning.models.transnext" if family == "transnext" else "moh_lightning.models.vit"
+    module = _module(family)
     if moh is None:
         budget = "dense multi-head attention (every head of every layer)"
     else:
@@ -103,8 +122,8 @@ license: apache-2.0
 A {"TransNeXt (Shi, CVPR 2024)" if family == "transnext" else "timm ViT"} classifier with Mixture-of-Head attention
 (MoH, Jin et al., ICML 2025, arXiv 2410.11842), trained with moh_lightning.
 
-* Architecture: `{name}` with the arguments in `config.json` (`model_args`); {params / 1e6:.2f}M parameters,
-  {arch.num_classes} classes, {arch.in_chans}-channel {arch.img_size}x{arch.img_size} input.
+* Architecture: `{name}` with the arguments in `config.json` (`model_args`): {describe(arch)};
+  {params / 1e6:.2f}M parameters, {arch.in_chans}-channel {arch.img_size}x{arch.img_size} input.
 * Heads: {budget}.
 * Source: `{checkpoint}` (a `moh fit` checkpoint), exported with `moh export-timm`.
 
@@ -140,6 +159,11 @@ def _classifier(raw: dict, checkpoint: str) -> tuple[str, TransNeXtConfig | ViTC
     return "vit", ViTConfig(**arch)
 
 
+def _module(family: str) -> str:
+    """The package whose import registers the family's models with timm."""
+    return "moh_lightning.models.transnext" if family == "transnext" else "moh_lightning.models.vit"
+
+
 def _preprocessing(data: dict, arch: TransNeXtConfig | ViTConfig) -> dict:
     """Evaluation preprocessing of the data module the model was trained with."""
     mnist = "crop_scale" in data and "data_dir" not in data
@@ -154,4 +178,4 @@ def _json(value):
     return json.loads(json.dumps(value))
 
 
-__all__ = ["export_timm", "model_card", "push_folder", "registered_name"]
+__all__ = ["describe", "export_timm", "model_card", "push_folder", "registered_name"]

@@ -21,7 +21,13 @@ from moh_lightning.models.transnext.network import (
     TransNeXtStage,
     create_transnext,
 )
-from moh_lightning.models.transnext.registry import AUTHORS_HUB_IDS, NAMED_MODELS, config_arguments, transnext_config
+from moh_lightning.models.transnext.registry import (
+    AUTHORS_HUB_IDS,
+    GENERIC_TRANSNEXT,
+    NAMED_MODELS,
+    config_arguments,
+    transnext_config,
+)
 from moh_lightning.models.transnext.weights import (
     checkpoint_state_dict,
     from_authors_state_dict,
@@ -30,7 +36,8 @@ from moh_lightning.models.transnext.weights import (
 )
 
 __all__ = [
-    "AUTHORS_HUB_IDS", "AUTHORS_VIT", "EXPERIMENT_CONFIGS", "AggregatedAttention", "ContinuousPositionBias",
+    "AUTHORS_HUB_IDS", "AUTHORS_VIT", "EXPERIMENT_CONFIGS", "GENERIC_TRANSNEXT", "AggregatedAttention",
+    "ContinuousPositionBias",
     "ConvolutionalGLU", "NAMED_MODELS", "NUM_STAGES", "OverlapPatchEmbed", "TransNeXt", "TransNeXtAttention",
     "TransNeXtBlock", "TransNeXtConfig", "TransNeXtStage", "authors_vit", "checkpoint_state_dict", "config_arguments",
     "create_transnext", "from_authors_state_dict", "is_authors_layout", "load_pretrained", "relative_position_table",

@@ -19,6 +19,7 @@ from moh_lightning.models.transnext.network import TransNeXt
 from moh_lightning.models.transnext.weights import checkpoint_state_dict
 
 _SMALL = {}
+GENERIC_TRANSNEXT = "moh_transnext"
 _BASE = {"embed_dim": [96, 192, 384, 768], "depth": [5, 5, 23, 5], "num_heads": [4, 8, 16, 32], "drop_path_rate": 0.6}
 _MICRO = {"embed_dim": [48, 96, 192, 384], "depth": [2, 2, 15, 2], "num_heads": [2, 4, 8, 16], "drop_path_rate": 0.15}
 
@@ -59,6 +60,12 @@ NAMED_MODELS: dict[str, NamedModel] = {
     "moh_transnext_micro_75": NamedModel(
         {**_MICRO, **_moh([2, 4, 2, 3], [0, 0, 4, 8])},
         "TransNeXt-Micro at 75.6% heads (not in the paper; CPU-sized): shared [2, 4, 2, 3] + top-k [0, 0, 4, 8]."),
+    # What `moh export-timm` names a network that is none of the above: its model_args give every field that differs
+    # from this row (MoH-ViT-S-75's), so timm rebuilds it from its config.json alone.
+    GENERIC_TRANSNEXT: NamedModel(
+        {**_SMALL, **_moh([3, 6, 3, 4], [0, 0, 6, 12])},
+        "A TransNeXt of any shape and head budget (MoH or dense): `model_args` give the fields that differ from "
+        "moh_transnext_small_75's."),
 }
 
 #: The named models whose weights their authors published, and where.
@@ -102,4 +109,4 @@ def _filter_state_dict(state_dict: dict, model: TransNeXt) -> dict:
 register_family(__package__, NAMED_MODELS, _build, _cfg, out_indices=tuple(range(NUM_STAGES)),
                 pretrained_filter_fn=_filter_state_dict)
 
-__all__ = ["AUTHORS_HUB_IDS", "NAMED_MODELS", "config_arguments", "transnext_config"]
+__all__ = ["AUTHORS_HUB_IDS", "GENERIC_TRANSNEXT", "NAMED_MODELS", "config_arguments", "transnext_config"]

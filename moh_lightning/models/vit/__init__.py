@@ -6,7 +6,7 @@ them).
 """
 from moh_lightning.models.vit.config import ViTConfig
 from moh_lightning.models.vit.network import create_vit
-from moh_lightning.models.vit.registry import NAMED_VITS, named_vit_config
+from moh_lightning.models.vit.registry import GENERIC_VIT, NAMED_VITS, named_vit_config
 from moh_lightning.models.vit.weights import load_dense_timm_weights
 
-__all__ = ["NAMED_VITS", "ViTConfig", "create_vit", "load_dense_timm_weights", "named_vit_config"]
+__all__ = ["GENERIC_VIT", "NAMED_VITS", "ViTConfig", "create_vit", "load_dense_timm_weights", "named_vit_config"]

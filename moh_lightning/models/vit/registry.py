@@ -16,6 +16,7 @@ from moh_lightning.models.vit.config import ViTConfig
 from moh_lightning.models.vit.network import create_vit
 
 _BASE = {"embed_dim": 768, "num_heads": 12}
+GENERIC_VIT = "moh_vit"
 
 # Each row: the ViTConfig fields that differ from its defaults (ViT-S/16 at 224).
 NAMED_VITS: dict[str, NamedModel] = {
@@ -31,6 +32,10 @@ NAMED_VITS: dict[str, NamedModel] = {
     "moh_vit_base_patch16_224_50": NamedModel(
         {**_BASE, "moh": {"num_shared_heads": 2, "top_k": 4}},
         "MoH-ViT-B/16, 50% heads: 2 shared + top-4 of 10 in every layer (vit_b_50.yaml)."),
+    # What `moh export-timm` names a network that is none of the above: its model_args give every field that differs
+    # from ViTConfig's defaults, so timm rebuilds it from its config.json alone.
+    GENERIC_VIT: NamedModel(
+        {}, "A ViT of any shape and head budget (MoH or dense): `model_args` give the ViTConfig fields."),
 }
 
 
@@ -57,4 +62,4 @@ def _build(name: str, **fields: Any) -> VisionTransformer:
 # As timm's own ViTs, features_only returns the last three blocks unless told.
 register_family(__package__, NAMED_VITS, _build, _cfg, out_indices=3)
 
-__all__ = ["NAMED_VITS", "named_vit_config"]
+__all__ = ["GENERIC_VIT", "NAMED_VITS", "named_vit_config"]

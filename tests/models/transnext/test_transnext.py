@@ -13,6 +13,7 @@ import torch
 from moh_lightning.layers import MoHAttention, moh_layers, pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.transnext import (
+    GENERIC_TRANSNEXT,
     NAMED_MODELS,
     AggregatedAttention,
     TransNeXt,
@@ -20,7 +21,7 @@ from moh_lightning.models.transnext import (
     TransNeXtConfig,
     transnext_config,
 )
-from moh_lightning.models.vit import NAMED_VITS, ViTConfig
+from moh_lightning.models.vit import ViTConfig
 from moh_lightning.tasks.classification import ImageClassifier, TransNeXtClassifier
 from moh_lightning.tools.export_timm import export_timm
 
@@ -37,7 +38,7 @@ TINY = TransNeXtConfig(img_size=32, patch_size=2, in_chans=1, num_classes=10, em
                        drop_path_rate=0.0, moh=MoHConfig(num_shared_heads=[2, 1, 0, 2], top_k=[0, 2, 2, 1]))
 
 
-@pytest.mark.parametrize("name", sorted(NAMED_MODELS))
+@pytest.mark.parametrize("name", sorted(set(NAMED_MODELS) - {GENERIC_TRANSNEXT}))
 def test_named_models_have_the_authors_sizes_and_head_budgets(name):
     with torch.device("meta"):
         model = timm.create_model(name)
@@ -208,7 +209,7 @@ def test_export_timm_round_trips_a_transnext_and_pushes_through_huggingface_hub(
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     folder = export_timm(checkpoint, str(tmp_path / "out"), push_to="me/tiny", private=True, token="t")
     config = json.loads((folder / "config.json").read_text())
-    assert config["architecture"] in NAMED_MODELS and config["architecture"].startswith("moh_")
+    assert config["architecture"] == "moh_transnext"  # a tiny network is none of the registered models
     assert config["model_args"]["moh"]["top_k"] == [0, 2, 2, 1]
     assert config["pretrained_cfg"]["mean"] == [0.1307] and config["pretrained_cfg"]["input_size"] == [1, 32, 32]
     assert "top-[0, 2, 2, 1]" in (folder / "README.md").read_text()
@@ -225,14 +226,27 @@ def test_export_timm_round_trips_a_transnext_and_pushes_through_huggingface_hub(
     torch.testing.assert_close(file_only(images), expected, rtol=0, atol=0)
 
 
-def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_path):
+def test_export_names_a_registered_model_only_when_the_network_is_that_model():
+    from moh_lightning.models.vit import named_vit_config
+    from moh_lightning.tools.export_timm import registered_name
+
+    fine_tuned = named_vit_config("moh_vit_small_patch16_224_75", num_classes=10, drop_path_rate=0.0)
+    assert registered_name(fine_tuned) == ("moh_vit_small_patch16_224_75", {"num_classes": 10, "drop_path_rate": 0.0})
+    tiny = ViTConfig(embed_dim=128, depth=6, num_heads=8, moh=MoHConfig(num_shared_heads=2, top_k=4))
+    name, args = registered_name(tiny)
+    assert name == "moh_vit" and args["depth"] == 6 and args["embed_dim"] == 128
+
+
+def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_path, capsys):
     torch.manual_seed(0)
     arch = ViTConfig(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3,
                      moh=MoHConfig(num_shared_heads=1, top_k=[2, 1]))
     task = ImageClassifier(arch=arch).eval()
     folder = export_timm(_checkpoint(tmp_path, task, {"img_size": 32, "data_dir": "/data"}), str(tmp_path / "vit"))
     config = json.loads((folder / "config.json").read_text())
-    assert config["architecture"] in NAMED_VITS
+    assert config["architecture"] == "moh_vit" and config["model_args"]["depth"] == 2
+    printed = capsys.readouterr().out
+    assert f"wrote {folder}: moh_vit (ViT, 2 layers of width 32" in printed and f"local-dir:{folder}" in printed
     loaded = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(loaded(images), task.model(images), rtol=0, atol=0)
