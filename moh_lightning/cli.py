@@ -29,6 +29,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from moh_lightning.callbacks import (
     ExactResumeCallback,
@@ -40,6 +41,7 @@ from moh_lightning.callbacks import (
 )
 from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
 from moh_lightning.configs import expand_config
+from moh_lightning.errors import UsageError
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
@@ -61,6 +63,7 @@ TOOLS: dict[str, str] = {
 }
 
 _CONFIG_FLAGS = ("--config", "-c")
+EVALUATIONS = ("validate", "test", "predict")
 
 # What every run shares: crash-safe checkpoint writes, and TensorBoard events in runs/<name>/version_N/.
 TRAINER_DEFAULTS = {
@@ -230,6 +233,36 @@ class MoHLightningCLI(LightningCLI):
             init_args.name = self.run_name or "default"
         if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
             self._resume_last(config, init_args)
+        if self.subcommand in EVALUATIONS and init_args is not None:
+            self._beside_its_run(config, init_args)
+        accelerator = config.trainer.get("accelerator")
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            raise SystemExit(f"moh: trainer.accelerator={accelerator} but this machine has no CUDA GPU; run the same "
+                             f"config on the CPU with --trainer.accelerator cpu --trainer.devices 2 (DDP over gloo).")
+
+    def _beside_its_run(self, config, logger_args) -> None:
+        """Evaluating a run's checkpoint logs into ``<run>/eval/<subcommand>-<checkpoint>/`` (``-2``, ``-3`` when
+        repeated), beside the run it scores, instead of a new version of the training run's name."""
+        ckpt_path = config.get("ckpt_path")
+        logs_in_folders = all(key in logger_args for key in ("save_dir", "name", "version"))
+        if not ckpt_path or not Path(ckpt_path).is_file() or not logs_in_folders:
+            return
+        checkpoints = Path(ckpt_path).resolve().parent
+        if checkpoints.name != "checkpoints":
+            return
+        run, base = checkpoints.parent, f"{self.subcommand}-{Path(ckpt_path).stem}"
+        version, repeat = base, 1
+        while (run / "eval" / version).exists():
+            repeat += 1
+            version = f"{base}-{repeat}"
+        logger_args.save_dir, logger_args.name, logger_args.version = str(run), "eval", version
+        # The run's checkpoint callbacks keep the training folder they saved in; nothing is saved while evaluating.
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+    def before_test(self) -> None:
+        if not is_overridden("test_step", self.model):
+            raise SystemExit(f"moh test: {type(self.model).__name__} has no test split to score; `moh validate` "
+                             f"scores its validation split.")
 
     def _resume_last(self, config, logger_args) -> None:
         """Points ``ckpt_path`` and the logger's version at this run name's newest checkpoint that loads, if any."""
@@ -387,7 +420,7 @@ def main(args: Sequence[str] | None = None) -> None:
             CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
             return
         MoHLightningCLI(args=args)
-    except UnsafeCheckpointError as error:
+    except (UnsafeCheckpointError, UsageError) as error:
         raise SystemExit(f"moh: {error}") from None
 
 

@@ -15,6 +15,7 @@ from moh_lightning.data.images import (
     image_transforms,
 )
 from moh_lightning.data.loaders import train_loader
+from moh_lightning.errors import MissingDataError
 
 
 class HFImageDataset(WorkerRandomState, Dataset):
@@ -37,7 +38,8 @@ class HFImageDataModule(LightningDataModule):
     as ``imagefolder`` with ``data_dir`` (a local folder, ``train/<class>/`` and ``val/<class>/`` or ``test/``).
 
     The validation rows are ``val_split`` when the dataset has it, else a seeded, stratified ``val_fraction`` of
-    ``train_split``. Labels are the ``label_field`` column (a ``ClassLabel``: ``num_classes`` comes from it and
+    ``train_split``; ``moh test`` scores ``test_split``, and refuses a dataset without one (never the validation rows
+    under test keys). Labels are the ``label_field`` column (a ``ClassLabel``: ``num_classes`` comes from it and
     is linked into the model). Transforms and switches are ``ImageFolderDataModule``'s (timm's names and defaults,
     the paper's ImageNet recipe); for small data sets of digits or letters set ``hflip: 0`` and ``crop_scale``.
     """
@@ -49,6 +51,7 @@ class HFImageDataModule(LightningDataModule):
             dataset_config: str | None = None,
             train_split: str = "train",
             val_split: str | None = "validation",
+            test_split: str | None = "test",
             val_fraction: float = 0.1,
             split_seed: int = 0,
             image_field: str = "image",
@@ -73,6 +76,8 @@ class HFImageDataModule(LightningDataModule):
         self._splits = None
         self.train_set: HFImageDataset | None = None
         self.val_set: HFImageDataset | None = None
+        self.test_set: HFImageDataset | None = None
+        self._split_names: list[str] = []
 
     def _load(self):
         """``{"train": rows, "val": rows}``, loaded once (``datasets`` caches the download and the arrow files)."""
@@ -85,9 +90,11 @@ class HFImageDataModule(LightningDataModule):
             data = datasets.load_dataset(hp.dataset, hp.dataset_config, data_dir=hp.data_dir, cache_dir=hp.cache_dir)
         except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise OSError(f"data.init_args.dataset={hp.dataset!r}: cannot load it ({reason}); pass a local folder "
-                          f"instead: --data.init_args.dataset imagefolder --data.init_args.data_dir <folder with "
-                          f"train/<class>/ and val/<class>/ images>.") from None
+            raise MissingDataError(
+                f"data.init_args.dataset={hp.dataset!r}: cannot load it ({reason}); pass a local folder instead: "
+                f"--data.init_args.dataset imagefolder --data.init_args.data_dir <folder with train/<class>/ and "
+                f"val/<class>/ images>.") from None
+        self._split_names = sorted(data)
         if hp.train_split not in data:
             raise ValueError(f"data.init_args.train_split={hp.train_split!r}: the dataset's splits are "
                              f"{sorted(data)}.")
@@ -103,6 +110,8 @@ class HFImageDataModule(LightningDataModule):
                                            stratify_by_column=hp.label_field)
             train, val = parts["train"], parts["test"]
         self._splits = {"train": train, "val": val}
+        if hp.test_split and hp.test_split in data and hp.test_split != hp.val_split:
+            self._splits["test"] = data[hp.test_split]
         return self._splits
 
     @property
@@ -127,6 +136,14 @@ class HFImageDataModule(LightningDataModule):
         train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,
                                             hp.re_prob, hp.interpolation, hp.crop_pct, self.mean, self.std)
         mode = "L" if hp.in_chans == 1 else "RGB"
+        if stage == "test":
+            if "test" not in splits:
+                raise MissingDataError(
+                    f"data.init_args.dataset={hp.dataset!r}: no test split (test_split={hp.test_split!r}; its splits "
+                    f"are {self._split_names}); name one with --data.init_args.test_split, or score the validation "
+                    f"split with `moh validate`.")
+            self.test_set = HFImageDataset(splits["test"], hp.image_field, hp.label_field, val_tf, mode)
+            return
         self.train_set = HFImageDataset(splits["train"], hp.image_field, hp.label_field, train_tf, mode)
         self.val_set = HFImageDataset(splits["val"], hp.image_field, hp.label_field, val_tf, mode)
 
@@ -138,7 +155,7 @@ class HFImageDataModule(LightningDataModule):
                           persistent_workers=self.hparams.num_workers > 0)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return DataLoader(self.test_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)
 
 
 __all__ = ["HFImageDataModule", "HFImageDataset"]

@@ -18,8 +18,10 @@ from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import default_loader
 
 from moh_lightning.data.loaders import train_loader
+from moh_lightning.errors import MissingDataError
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -105,16 +107,28 @@ class CheckedImageFolder(WorkerRandomState, ImageFolder):
     With ``on_corrupt="skip"`` a bad file is replaced by the next readable one, so batches keep their size and
     the order stays deterministic; each skipped file is logged once by name and counted in ``skipped`` (per
     process: every data-loader worker counts and logs the files it met).
+
+    ``classes`` are the training split's class folders: a validation or test split numbers its labels by them (a
+    split without some class keeps the others' labels), and a class folder the training split lacks stops the run.
     """
 
     def __init__(self, root: str | Path, transform=None, on_corrupt: CorruptPolicy = "error",
-                 grayscale: bool = False) -> None:
-        if grayscale:
-            super().__init__(root, transform=transform, loader=grayscale_loader)
-        else:
-            super().__init__(root, transform=transform)
+                 grayscale: bool = False, classes: list[str] | None = None) -> None:
+        self.training_classes = classes
+        super().__init__(root, transform=transform, loader=grayscale_loader if grayscale else default_loader,
+                         allow_empty=classes is not None)
         self.on_corrupt = on_corrupt
         self.skipped: set[str] = set()
+
+    def find_classes(self, directory: str | Path) -> tuple[list[str], dict[str, int]]:
+        present = super().find_classes(directory)[0]
+        if self.training_classes is None:
+            return present, {name: i for i, name in enumerate(present)}
+        unknown = sorted(set(present) - set(self.training_classes))
+        if unknown:
+            raise MissingDataError(f"{directory}: class folders {unknown} are not among the training split's classes "
+                                   f"{self.training_classes}; every split's classes must be folders of train/.")
+        return self.training_classes, {name: i for i, name in enumerate(self.training_classes)}
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         for offset in range(len(self.samples)):
@@ -171,11 +185,17 @@ class ImageFolderDataModule(LightningDataModule):
         self.mean, self.std = _normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
         self.train_set: CheckedImageFolder | None = None
         self.val_set: CheckedImageFolder | None = None
+        self.test_set: CheckedImageFolder | None = None
 
     def _split_dir(self, split: str) -> Path:
         path = self.data_dir / split
+        if not path.is_dir() and split == "test":
+            raise MissingDataError(
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: no 'test/' folder there, so no test split to "
+                f"score; add test/<class>/ images held out from training and validation, or score the validation "
+                f"split with `moh validate`.")
         if not path.is_dir():
-            raise FileNotFoundError(
+            raise MissingDataError(
                 f"data.init_args.data_dir={self.hparams.data_dir!r}: no '{split}/' folder there. Point "
                 f"--data.init_args.data_dir at a folder with train/<class>/ and val/<class>/ images, or run the "
                 f"embedded default that needs no data: moh fit --config {EMBEDDED_CONFIG}")
@@ -187,9 +207,13 @@ class ImageFolderDataModule(LightningDataModule):
                                             hp.auto_augment, hp.re_prob, hp.interpolation, hp.crop_pct, self.mean,
                                             self.std)
         gray = hp.in_chans == 1
+        classes = sorted(entry.name for entry in self._split_dir("train").iterdir() if entry.is_dir())
+        if stage == "test":
+            self.test_set = CheckedImageFolder(self._split_dir("test"), val_tf, hp.on_corrupt, gray, classes)
+            return
         if stage in (None, "fit"):
             self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt, gray)
-        self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt, gray)
+        self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt, gray, classes)
 
     @property
     def num_classes(self) -> int:
@@ -216,7 +240,9 @@ class ImageFolderDataModule(LightningDataModule):
                           pin_memory=True, persistent_workers=self.hparams.num_workers > 0)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        """The images of ``test/``, a split of their own: never the validation images under test keys."""
+        return DataLoader(self.test_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
+                          pin_memory=True)
 
 
 class ArrayImageDataset(WorkerRandomState, Dataset):
@@ -291,6 +317,11 @@ class MNISTDataModule(LightningDataModule):
         return self.hparams.in_chans
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "test":
+            raise MissingDataError(
+                "the embedded MNIST digits (MNISTDataModule) have no test split, only training and validation digits: "
+                "score the validation split with `moh validate`, or test on a folder of your own with a test/ split "
+                "(ImageFolderDataModule).")
         hp = self.hparams
         splits = load_mnist_5k(hp.val_fraction, hp.split_seed)
         train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,
@@ -305,10 +336,6 @@ class MNISTDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers,
                           persistent_workers=self.hparams.num_workers > 0)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
 
 def write_digits_folder(root: str | Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
     """scikit-learn's 1,797 8x8 digits as a grayscale image folder (``train/<digit>/``, ``val/<digit>/`` PNGs).

@@ -40,6 +40,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from moh_lightning.data.cache import build_entry, content_hash, entry_name, is_current, write_fingerprint
 from moh_lightning.data.loaders import train_loader
+from moh_lightning.errors import BadValueError, MissingDataError
 from moh_lightning.serialization import checkpoint_type
 
 BYTE_TOKENIZER = "byte"
@@ -152,10 +153,10 @@ def _source_files(source: TextSource) -> tuple[Path, list[Path]]:
         files = sorted(p for p in root.rglob(pattern)
                        if p.is_file() and not {"site-packages", "dist-packages"} & set(p.parts))
     else:
-        raise FileNotFoundError(f"data source path {source.path!r}: no such file or folder; point it at a text file, "
+        raise MissingDataError(f"data source path {source.path!r}: no such file or folder; point it at a text file, "
                                 f"a folder of them, or {STDLIB!r}.")
     if not files:
-        raise FileNotFoundError(f"data source path {source.path!r}: no files match pattern {pattern!r} in that "
+        raise MissingDataError(f"data source path {source.path!r}: no files match pattern {pattern!r} in that "
                                 f"folder or below; add text files or set the source's pattern (e.g. '*.md').")
     return root, files[:source.max_documents]
 
@@ -184,13 +185,13 @@ def load_tokenizer(name: str, key: str = "tokenizer"):
 
     advice = "give a tokenizer folder (written by save_pretrained), a hub id that is reachable or cached, or 'byte'"
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
-        raise FileNotFoundError(f"{key}={name!r}: no such folder; {advice}.")
+        raise MissingDataError(f"{key}={name!r}: no such folder; {advice}.")
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
         # transformers' messages run over several lines; the first says what failed.
         reason = str(error).strip().splitlines()[0].rstrip(" :")
-        raise OSError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None
+        raise MissingDataError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None
 
 
 def tokenizer_identity(name: str, tokenizer) -> str:
@@ -302,7 +303,7 @@ def _write_tokens(source: TextSource, tokenizer_name: str, tokenizer, split_by: 
             num_bytes += len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
     if sum(counts.values()) == sum(documents.values()):  # nothing but the EOS after each document
         found = f"its {sum(documents.values())} documents are empty" if any(documents.values()) else "no documents"
-        raise ValueError(f"data source {source.label!r}: {found}; give it some text or remove it from the sources.")
+        raise BadValueError(f"data source {source.label!r}: {found}; give it some text or remove it from the sources.")
     used = "documents"
     one_side_empty = source.val_fraction > 0 and 0 in documents.values()
     if split_by == "tokens" or (split_by == "auto" and one_side_empty):
@@ -360,7 +361,7 @@ class MixtureSequences(Dataset):
         chunks = [(len(a) - 1) // seq_len for a in arrays]
         usable = [i for i, n in enumerate(chunks) if n > 0]
         if not usable:
-            raise ValueError(f"no training source has more than seq_len={seq_len} tokens: lower seq_len.")
+            raise BadValueError(f"no training source has more than seq_len={seq_len} tokens: lower seq_len.")
         probs = np.array([weights[i] if chunks[i] > 0 else 0.0 for i in range(len(arrays))])
         rng = np.random.default_rng(seed)
         self.source = rng.choice(len(arrays), size=num_samples, p=probs / probs.sum())
@@ -484,7 +485,7 @@ class TextDataModule(LightningDataModule):
         train = [open_tokens(f, "train") for f in folders]
         for source, folder, tokens in zip(self.sources, folders, train, strict=True):
             if len(tokens) <= seq_len:
-                raise ValueError(f"data source {source.label!r}: its training split has {len(tokens)} tokens, fewer "
+                raise BadValueError(f"data source {source.label!r}: its training split has {len(tokens)} tokens, fewer "
                                  f"than one sequence of data.init_args.seq_len + 1 = {seq_len + 1}{_split(folder)}; "
                                  f"add text, lower seq_len, or remove the source.")
         num_samples = self.hparams.samples_per_epoch or max(1, sum((len(a) - 1) // seq_len for a in train))
@@ -494,7 +495,7 @@ class TextDataModule(LightningDataModule):
         if len(self.val_set) == 0:
             held_out = ", ".join(f"{s.label!r} holds out {len(open_tokens(f, 'val'))} tokens{_split(f)}"
                                  for s, f in zip(self.sources, folders, strict=True))
-            raise ValueError(f"no validation sequence of data.init_args.seq_len + 1 = {seq_len + 1} tokens: "
+            raise BadValueError(f"no validation sequence of data.init_args.seq_len + 1 = {seq_len + 1} tokens: "
                              f"{held_out}; raise a source's val_fraction, add documents, or lower seq_len.")
 
     def train_dataloader(self) -> StatefulDataLoader:

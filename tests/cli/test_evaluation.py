@@ -1,0 +1,90 @@
+"""Evaluation says what it measured: `moh test` scores a test split (never validation under test keys), evaluation logs
+beside the run it scores, and a wrong step stops in one line."""
+from __future__ import annotations
+
+import csv
+import shutil
+
+import pytest
+import torch
+
+from moh_lightning.cli import main
+
+CONFIG = "vit_tiny_folder_digits_75.yaml"
+
+
+def _fit(folder) -> str:
+    main(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(folder), "--trainer.max_steps", "1",
+          "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar",
+          "false"])
+    return "runs/vit_tiny_folder_digits_75/version_0/checkpoints/last.ckpt"
+
+
+def _always_cat(checkpoint: str) -> None:
+    """Makes the checkpoint's classifier answer class 0 (cat) for every image."""
+    raw = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    raw["state_dict"]["model.head.bias"] = torch.tensor([100.0, -100.0])
+    torch.save(raw, checkpoint)
+
+
+def _metrics(run, name: str) -> dict[str, float]:
+    rows = list(csv.DictReader((run / "eval" / name / "metrics.csv").open()))
+    return {key: float(value) for row in rows for key, value in row.items() if value and key != "epoch"}
+
+
+def _evaluate(subcommand: str, folder, checkpoint: str) -> None:
+    main([subcommand, "--config", CONFIG, "--data.init_args.data_dir", str(folder), "--ckpt_path", checkpoint,
+          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"])
+
+
+def test_test_scores_the_test_folder_beside_the_run(run_dir, write_image_folder):
+    write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
+    shutil.copytree(run_dir / "data/train/cat", run_dir / "data/test/cat")  # a test split of cats only
+    checkpoint = _fit(run_dir / "data")
+    _always_cat(checkpoint)
+    _evaluate("test", run_dir / "data", checkpoint)
+    _evaluate("validate", run_dir / "data", checkpoint)
+    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
+    assert _metrics(run, "test-last")["test/acc1"] == 1.0  # scored the cats of test/: val/ would give 0.5
+    assert _metrics(run, "validate-last")["val/acc1"] == 0.5
+    assert [p.name for p in run.parent.iterdir()] == ["version_0"]  # no new version of the training run
+    assert (run / "eval" / "validate-last" / "head_load" / "loads.json").is_file()  # the head load of that evaluation
+    _evaluate("test", run_dir / "data", checkpoint)
+    assert (run / "eval" / "test-last-2" / "metrics.csv").is_file()  # a repeat never writes over the first
+
+    shutil.rmtree(run_dir / "data/test")
+    with pytest.raises(SystemExit) as stop:
+        _evaluate("test", run_dir / "data", checkpoint)
+    message = str(stop.value)
+    assert "\n" not in message and "no 'test/' folder" in message and "moh validate" in message
+
+
+def _one_line(args: list[str]) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    message = str(stop.value)
+    assert "\n" not in message and message.startswith("moh")
+    return message
+
+
+def test_missing_validation_folder_is_one_line(run_dir, write_image_folder):
+    write_image_folder(run_dir / "data", per_class=1, size=(32, 32))
+    shutil.rmtree(run_dir / "data/val")
+    message = _one_line(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"),
+                         "--trainer.fast_dev_run", "1"])
+    assert "no 'val/' folder" in message and "data.init_args.data_dir" in message
+
+
+def test_gpu_overlay_without_a_gpu_names_the_cpu_override(run_dir):
+    message = _one_line(["fit", "--config", "vit_tiny_mnist_75.yaml", "--config", "multi_gpu.yaml"])
+    assert "no CUDA GPU" in message and "--trainer.accelerator cpu --trainer.devices 2" in message
+
+
+def test_embedded_digits_have_no_test_split(run_dir):
+    message = _one_line(["test", "--config", "vit_tiny_mnist_75.yaml", "--trainer.logger", "false"])
+    assert "no test split" in message and "moh validate" in message
+
+
+def test_tasks_without_a_test_split_say_so(run_dir):
+    message = _one_line(["test", "--config", "dit_mnist_75.yaml", "--trainer.logger", "false"])
+    assert "ClassConditionalDiffusion has no test split" in message and "moh validate" in message
