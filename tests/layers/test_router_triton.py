@@ -1,6 +1,6 @@
 """The router's Triton pass (``router_triton``) against its PyTorch pass (``router_op``): every layout, with and without
 statistics and padding, token counts that are no multiple of the block, fp32 and bf16; on the CPU through Triton's
-interpreter, on CUDA compiled."""
+interpreter, on CUDA compiled, and the whole ``moh::route`` op on CUDA against the CPU's."""
 import os
 import subprocess
 import sys
@@ -100,3 +100,25 @@ def test_interpreted_kernels_are_available_and_the_cpu_op_keeps_pytorch_passes()
 def test_compiled_passes_on_cuda_equal_pytorch_passes(layout, dtype):
     for padded in (False, True):
         _check_passes(router_triton, layout, padded, dtype, "cuda")
+
+
+@needs_cuda
+def test_route_op_on_cuda_equals_the_cpu_op():
+    """The whole op, products and Triton pass, forward and every gradient, against the CPU's (float32: bf16 products
+    round differently on the two devices, which can flip a top-k between near-equal logits)."""
+    assert router_op._passes(torch.device("cuda")) == (router_triton.route_rows, router_triton.route_rows_backward)
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, dim = 3 * 197, 64
+    inputs = [torch.randn(num_tokens, dim, generator=generator)] + [
+        torch.randn(rows, dim, generator=generator) * dim ** -0.5 for rows in (2, 4, 2)]
+    valid = torch.rand(num_tokens, generator=generator) > 0.2
+    grad_gates, grad_prob_sum = torch.randn(num_tokens, 6, generator=generator), torch.randn(4, generator=generator)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in inputs]
+        outputs = router_op.route(*leaves, valid.to(device), 2, 4, 2, True)
+        gates, _, prob_sum, _, _, loss = outputs
+        total = (gates * grad_gates.to(device)).sum() + (prob_sum * grad_prob_sum.to(device)).sum() + 0.37 * loss
+        results.append([t.cpu() for t in (*outputs, *torch.autograd.grad(total, leaves))])
+    for out, ref in zip(*results, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
