@@ -124,8 +124,8 @@ def _passes(device: torch.device):
 
 @functools.cache
 def _triton_passes():
-    """``router_triton``'s pair where its kernels run, None where they do not or Triton is not installed (CPU-only
-    torch); imported on the first CUDA call, so a CPU process never loads Triton."""
+    """``router_triton``'s pair where its kernels run, None where they do not or Triton is not installed (a CPU-only
+    torch: hence the import here, on the first CUDA call)."""
     if importlib.util.find_spec("triton") is None:
         return None
     from moh_lightning.layers import router_triton
