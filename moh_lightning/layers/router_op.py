@@ -6,7 +6,8 @@ CPU, which at ViT-S / DiT-S sizes cost more than their arithmetic. Registered wi
 node for autograd, ``torch.compile`` and CUDA graphs: the logits' product (cuBLAS / MKL), then one pass over the
 logits for every gate and statistic; backward one pass and the two products.
 
-The pass is ``route_rows`` / ``route_rows_backward`` here, in PyTorch.
+The pass is ``route_rows`` / ``route_rows_backward``: here in PyTorch, on CUDA the Triton kernels of
+``router_triton`` (one kernel each way, the same outputs and saved layout).
 
 The logits are laid out heads along rows and tokens along columns, (R, T) = W @ tokens^T, rows ordered shared,
 routed, type router: every softmax, the top-k and the statistics work on contiguous rows of T tokens (on CPU a
@@ -15,6 +16,9 @@ gradient. The renormalised top-k scores are the softmax of the selected logits a
 exp(l_i) / sum_selected exp(l_j)), and the top-k of the logits is the top-k of their softmax.
 """
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 from torch import Tensor
@@ -114,8 +118,18 @@ def route_rows_backward(grad_gates: Tensor, grad_prob_sum: Tensor | None, saved:
 
 
 def _passes(device: torch.device):
-    """The forward and backward pass for tensors on ``device``."""
-    return route_rows, route_rows_backward
+    """The forward and backward pass for tensors on ``device``: the Triton kernels on CUDA, else PyTorch's."""
+    return (_triton_passes() if device.type == "cuda" else None) or (route_rows, route_rows_backward)
+
+
+@functools.cache
+def _triton_passes():
+    """``router_triton``'s pair where its kernels run, None where they do not or Triton is not installed (a CPU-only
+    torch: hence the import here, on the first CUDA call)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from moh_lightning.layers import router_triton
+    return (router_triton.route_rows, router_triton.route_rows_backward) if router_triton.available() else None
 
 
 def _weights(shared: Tensor | None, routed: Tensor | None, kind: Tensor | None) -> Tensor:

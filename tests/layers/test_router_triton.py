@@ -1,0 +1,124 @@
+"""The router's Triton pass (``router_triton``) against its PyTorch pass (``router_op``): every layout, with and without
+statistics and padding, token counts that are no multiple of the block, fp32 and bf16; on the CPU through Triton's
+interpreter, on CUDA compiled, and the whole ``moh::route`` op on CUDA against the CPU's."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from moh_lightning.layers import router_op, router_triton  # noqa: E402
+
+# Set before Triton's import, TRITON_INTERPRET builds every jit function for the interpreter, triton.language's own
+# (tl.sum, tl.argmax) included: a process that imported Triton without it cannot run interpreted kernels, so the
+# CPU tests run in a process of their own (test_passes_under_the_triton_interpreter), or with
+# TRITON_INTERPRET=1 pytest tests/layers/test_router_triton.py.
+INTERPRETED = isinstance(router_triton._route_kernel, InterpretedFunction)
+
+# (shared_heads, routed_heads, top_k, shared_rows, type_rows): MoHRouter's layouts, one shared head without a router.
+LAYOUTS = [(3, 5, 2, 3, 2), (2, 4, 1, 2, 0), (1, 4, 2, 0, 2), (1, 5, 3, 0, 0), (0, 6, 3, 0, 0), (3, 3, 3, 3, 2),
+           (6, 0, 0, 6, 0)]
+# The kernels compute in float32 and round once to bf16, against the PyTorch pass in float32 on the same values.
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2 ** -7, "atol": 1e-6}}
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="run by test_passes_under_the_triton_interpreter")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")
+
+
+def _logits(layout, num_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """(R, T) random logits whose routed rows have no tie in bf16 either (consecutive ones at least 0.25 apart):
+    ties are where ``torch.topk`` and the kernel may pick different heads."""
+    shared_heads, routed_heads, top_k, shared_rows, type_rows = layout
+    routed = (torch.rand(routed_heads, num_tokens, generator=generator).argsort(0) * 0.5
+              + torch.rand(routed_heads, num_tokens, generator=generator) * 0.25)
+    return torch.cat([torch.randn(shared_rows, num_tokens, generator=generator), routed - 1.0,
+                      torch.randn(type_rows, num_tokens, generator=generator)])
+
+
+def _check_passes(module, layout, padded: bool, dtype: torch.dtype, device: str) -> None:
+    """``module``'s passes on ``device`` equal the PyTorch passes in float32 on the CPU, rounded to ``dtype``, have the
+    PyTorch passes' dtypes and shapes in ``dtype``, and take PyTorch's saved scores."""
+    shared_heads, routed_heads, top_k, shared_rows, type_rows = layout
+    generator = torch.Generator().manual_seed(0)
+    num_tokens = 130 if padded else 37                                                # past one block, within one
+    rows = _logits(layout, num_tokens, generator).to(dtype)
+    valid = torch.rand(num_tokens, generator=generator) > 0.3 if padded else None
+    # Transposed strides where padded: grad_gates reach the op as autograd hands them.
+    grad_gates = (torch.randn(shared_heads + routed_heads, num_tokens, generator=generator).mT if padded
+                  else torch.randn(num_tokens, shared_heads + routed_heads, generator=generator)).to(dtype)
+
+    def on(tensor):
+        return None if tensor is None else tensor.to(device)
+
+    tolerance = TOLERANCE[dtype]
+    for stats in (False, True) if top_k < routed_heads else (False,):
+        ours = module.route_rows(on(rows), on(valid), *layout, stats)
+        same_dtype = router_op.route_rows(rows, valid, *layout, stats)
+        reference = router_op.route_rows(rows.float(), valid, *layout, stats)
+        for out, like, ref in zip(ours, same_dtype, reference, strict=True):
+            assert (out.shape, out.dtype, out.device.type) == (like.shape, like.dtype, device)
+            torch.testing.assert_close(out.cpu(), ref.to(like.dtype), **tolerance)
+        prob_grads = (None, torch.randn(routed_heads, generator=generator).to(dtype)) if stats else (None,)
+        for grad_prob_sum in prob_grads:
+            saved = same_dtype[1]
+            grad_rows = module.route_rows_backward(on(grad_gates), on(grad_prob_sum), on(saved), on(valid), *layout)
+            ref = router_op.route_rows_backward(grad_gates.float(), None if grad_prob_sum is None
+                                                else grad_prob_sum.float(), saved.float(), valid, *layout)
+            assert (grad_rows.shape, grad_rows.dtype) == (ref.shape, dtype)
+            torch.testing.assert_close(grad_rows.cpu(), ref.to(dtype), **tolerance)
+
+
+def test_passes_under_the_triton_interpreter():
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter's")
+    result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_passes_equal_pytorch_passes(layout, padded, dtype):
+    _check_passes(router_triton, layout, padded, dtype, "cpu")
+
+
+@needs_interpreter
+def test_interpreted_kernels_are_available_and_the_cpu_op_keeps_pytorch_passes():
+    assert router_triton.available()
+    assert router_op._passes(torch.device("cpu")) == (router_op.route_rows, router_op.route_rows_backward)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_passes_on_cuda_equal_pytorch_passes(layout, dtype):
+    for padded in (False, True):
+        _check_passes(router_triton, layout, padded, dtype, "cuda")
+
+
+@needs_cuda
+def test_route_op_on_cuda_equals_the_cpu_op():
+    """The whole op, products and Triton pass, forward and every gradient, against the CPU's (float32: bf16 products
+    round differently on the two devices, which can flip a top-k between near-equal logits)."""
+    assert router_op._passes(torch.device("cuda")) == (router_triton.route_rows, router_triton.route_rows_backward)
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, dim = 3 * 197, 64
+    inputs = [torch.randn(num_tokens, dim, generator=generator)] + [
+        torch.randn(rows, dim, generator=generator) * dim ** -0.5 for rows in (2, 4, 2)]
+    valid = torch.rand(num_tokens, generator=generator) > 0.2
+    grad_gates, grad_prob_sum = torch.randn(num_tokens, 6, generator=generator), torch.randn(4, generator=generator)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in inputs]
+        outputs = router_op.route(*leaves, valid.to(device), 2, 4, 2, True)
+        gates, _, prob_sum, _, _, loss = outputs
+        total = (gates * grad_gates.to(device)).sum() + (prob_sum * grad_prob_sum.to(device)).sum() + 0.37 * loss
+        results.append([t.cpu() for t in (*outputs, *torch.autograd.grad(total, leaves))])
+    for out, ref in zip(*results, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
