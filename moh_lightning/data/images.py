@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import default_loader
 
-from moh_lightning.data.loaders import train_loader
+from moh_lightning.data.loaders import pin_memory, train_loader
 from moh_lightning.errors import MissingDataError
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
@@ -233,16 +233,16 @@ class ImageFolderDataModule(LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         return train_loader(self.train_set, self.hparams.batch_size, self.hparams.num_workers, self.trainer,
-                            pin_memory=True)
+                            pin_memory=pin_memory(self.trainer))
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
-                          pin_memory=True, persistent_workers=self.hparams.num_workers > 0)
+                          pin_memory=pin_memory(self.trainer), persistent_workers=self.hparams.num_workers > 0)
 
     def test_dataloader(self) -> DataLoader:
         """The images of ``test/``, a split of their own: never the validation images under test keys."""
         return DataLoader(self.test_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
-                          pin_memory=True)
+                          pin_memory=pin_memory(self.trainer))
 
 
 class ArrayImageDataset(WorkerRandomState, Dataset):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -25,6 +26,14 @@ def train_loader(dataset: Dataset, batch_size: int, num_workers: int, trainer=No
                                              shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
         return StatefulDataLoader(dataset, sampler=sampler, **common)
     return StatefulDataLoader(dataset, shuffle=True, **common)
+
+
+def pin_memory(trainer=None) -> bool:
+    """Page-locked batches, which only speed up copies to a GPU: on when the trainer runs on CUDA (or, with no
+    trainer, when a GPU is present), so CPU runs neither pin nor warn."""
+    if trainer is not None:
+        return trainer.strategy.root_device.type == "cuda"
+    return torch.cuda.is_available()
 
 
 def saved_worker_count(state: dict | None) -> int | None:
