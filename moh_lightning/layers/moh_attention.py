@@ -251,15 +251,34 @@ def checkpoint_blocks(model: nn.Module) -> int:
     it again changes nothing. The recomputation in backward leaves the MoH layers' ``last_gates`` and
     ``load_balance_loss`` as the forward set them (same values, but a popped loss stays popped).
     """
-    blocks = [block for module in model.modules()
-              if isinstance(getattr(module, "blocks", None), (nn.ModuleList, nn.Sequential))
-              for block in module.blocks]
-    if not blocks:
-        raise ValueError(f"activation checkpointing: {type(model).__name__} has no `blocks` list to checkpoint.")
+    blocks = model_blocks(model, "activation checkpointing")
     for block in blocks:
         if not isinstance(block.__dict__.get("forward"), _CheckpointedForward):
             block.forward = _CheckpointedForward(block)
     return len(blocks)
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
+    """Regional compilation: each entry of each ``blocks`` list in ``model`` compiled in place (``nn.Module.compile``),
+    so the repeated block is compiled once and reused, not the whole network traced; returns the number of blocks.
+
+    A model's blocks share one code path, so the compiler's cache serves every block after the first (torch's
+    "regional compilation" recipe): the first step waits seconds, not the minutes a whole large network takes.
+    """
+    blocks = model_blocks(model, "regional compilation")
+    for block in blocks:
+        block.compile(**compile_kwargs)
+    return len(blocks)
+
+
+def model_blocks(model: nn.Module, purpose: str) -> list[nn.Module]:
+    """The entries of every ``blocks`` list in ``model`` (ViT, DiT and the LM's ``blocks``, TransNeXt's per stage)."""
+    blocks = [block for module in model.modules()
+              if isinstance(getattr(module, "blocks", None), (nn.ModuleList, nn.Sequential))
+              for block in module.blocks]
+    if not blocks:
+        raise ValueError(f"{purpose}: {type(model).__name__} has no `blocks` list.")
+    return blocks
 
 
 class _CheckpointedForward:

@@ -5,17 +5,20 @@ only what makes it that task: its loss, metrics and optimiser recipe.
 """
 from __future__ import annotations
 
+import time
 import warnings
+from typing import Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
-from moh_lightning.layers.moh_attention import checkpoint_blocks
+from moh_lightning.layers.moh_attention import checkpoint_blocks, compile_blocks
 
 # Layers whose weight matrices take weight decay; norms, biases, position embeddings and class tokens do not.
 DECAYED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -58,8 +61,10 @@ class MoHTask(LightningModule):
 
     Args:
         load_balance_beta: Weight beta of the load-balance loss (>= 0).
-        compile: Compile ``self.model`` with ``torch.compile`` (in place, so the state dict keeps its keys) when a
-            Trainer sets the task up; the first steps pay the compilation. Options in ``compile_kwargs``.
+        compile: ``auto`` compiles each of the model's repeated blocks once (regional compilation, in place) when a
+            Trainer runs it on CUDA, and nothing on the CPU, where compiling pays back little; ``true`` compiles the
+            whole model wherever it runs; ``false`` runs eagerly. The first steps wait for the compilation (printed).
+            Options in ``compile_kwargs``.
         activation_checkpointing: Recompute each block's activations in backward instead of keeping them
             (``torch.utils.checkpoint`` per entry of the model's ``blocks``, TransNeXt's per stage): less memory for
             about a third more compute per step.
@@ -70,16 +75,19 @@ class MoHTask(LightningModule):
     #: Keyword arguments of ``torch.compile`` when ``compile`` is on, e.g. ``{"mode": "max-autotune"}``.
     compile_kwargs: dict = {}
 
-    def __init__(self, load_balance_beta: float = 0.01, compile: bool = False,
+    def __init__(self, load_balance_beta: float = 0.01, compile: bool | Literal["auto"] = "auto",
                  activation_checkpointing: bool = False) -> None:
         super().__init__()
         if load_balance_beta < 0:
             raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"model.init_args.compile={compile!r}: choose auto, true or false.")
         self.load_balance_beta = load_balance_beta
         self.compile_model = compile
         self.activation_checkpointing = activation_checkpointing
         self.model: torch.nn.Module | None = None
         self._model_compiled = False
+        self._first_step_started: float | None = None
 
     def configure_model(self) -> None:
         """Activation checkpointing and ``torch.compile`` of ``self.model``, each applied once.
@@ -92,9 +100,26 @@ class MoHTask(LightningModule):
             return
         if self.activation_checkpointing:
             checkpoint_blocks(self.model)
-        if self.compile_model and self._trainer is not None and not self._model_compiled:
+        if self._trainer is None or self._model_compiled:
+            return
+        if self.compile_model == "auto" and self._trainer.strategy.root_device.type == "cuda":
+            blocks = compile_blocks(self.model, **self.compile_kwargs)
+            rank_zero_info(f"moh: compile auto: each of the {blocks} blocks compiled once (regional compilation); "
+                           f"--model.init_args.compile false runs eagerly.")
+            self._model_compiled = True
+        elif self.compile_model is True:
             self.model.compile(**self.compile_kwargs)
             self._model_compiled = True
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self._model_compiled and self._first_step_started is None:
+            self._first_step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self._first_step_started is not None and self._first_step_started > 0:
+            rank_zero_info(f"moh: the first compiled step took {time.perf_counter() - self._first_step_started:.1f} s, "
+                           f"compilation included.")
+            self._first_step_started = 0.0  # said once
 
     @property
     def example_input_array(self) -> torch.Tensor | tuple | None:

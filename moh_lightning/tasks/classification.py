@@ -11,6 +11,8 @@ precision are Trainer settings in the configs.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
@@ -39,6 +41,9 @@ class ImageClassifier(MoHTask):
         mixup_switch_prob: Probability of CutMix rather than Mixup when both are on.
         label_smoothing: Label smoothing of the (soft) targets.
         load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
+        compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
+        activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
+            compute per step.
     """
 
     head_load_group_name = "class"
@@ -57,8 +62,10 @@ class ImageClassifier(MoHTask):
             mixup_switch_prob: float = 0.5,
             label_smoothing: float = 0.1,
             load_balance_beta: float = 0.01,
+            compile: bool | Literal["auto"] = "auto",
+            activation_checkpointing: bool = False,
     ) -> None:
-        super().__init__(load_balance_beta)
+        super().__init__(load_balance_beta, compile, activation_checkpointing)
         self.save_hyperparameters()
         self.model = self.build_model(arch)
         num_classes = self.model.num_classes

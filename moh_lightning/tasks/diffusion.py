@@ -35,6 +35,9 @@ class ClassConditionalDiffusion(MoHTask):
         weight_decay: AdamW weight decay.
         warmup_steps: Linear learning-rate warm-up steps (0 as DiT).
         load_balance_beta: Weight beta of MoH's load-balance loss (>= 0).
+        compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
+        activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
+            compute per step.
         num_train_timesteps: Steps of the forward process.
         beta_start: First beta of the linear schedule.
         beta_end: Last beta of the linear schedule.
@@ -75,8 +78,10 @@ class ClassConditionalDiffusion(MoHTask):
             clip_sample: bool = False,
             init_from: str | None = None,
             init_from_dense: str | None = None,
+            compile: bool | Literal["auto"] = "auto",
+            activation_checkpointing: bool = False,
     ) -> None:
-        super().__init__(load_balance_beta)
+        super().__init__(load_balance_beta, compile, activation_checkpointing)
         if snr_gamma is not None and snr_gamma <= 0:
             raise ValueError(f"snr_gamma={snr_gamma} must be > 0, or null for DiT's unweighted loss.")
         if sampler not in ("ddpm", "ddim"):

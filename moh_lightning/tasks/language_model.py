@@ -10,6 +10,7 @@ training starts. Loss, perplexity and, for the byte tokenizer, bits per byte are
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ class LanguageModel(MoHTask):
             the authors' ViT / DiT weight of E * sum_i f_i P_i carried over to LMs (their LM training code is
             unreleased); 0 with ``router: query_norm``, as the authors' released MoH-LLaMA3, which computes no
             load-balance loss. A value > 0 adds the suite's E * sum_i f_i P_i of the query-norm scores.
+        compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
+        activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
+            compute per step.
         init_from_hf: ``init_from``'s name before the release that gave every task one name; warns.
     """
 
@@ -59,11 +63,13 @@ class LanguageModel(MoHTask):
             betas: tuple[float, float] = (0.9, 0.95),
             load_balance_beta: float | None = None,
             init_from_hf: str | None = None,
+            compile: bool | Literal["auto"] = "auto",
+            activation_checkpointing: bool = False,
     ) -> None:
         config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
         if load_balance_beta is None:
             load_balance_beta = 0.0 if config.moh is not None and config.moh.router == "query_norm" else 0.01
-        super().__init__(load_balance_beta)
+        super().__init__(load_balance_beta, compile, activation_checkpointing)
         if max_tokens <= 0:
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
         if not 0 <= min_lr <= lr:

@@ -29,7 +29,9 @@ OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"
 
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
-NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None}
+# compile / activation_checkpointing: reachable from a config since compile became "auto" (eager on the CPU as before).
+NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None, "compile": "auto",
+               "activation_checkpointing": False}
 # Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
 OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
 

@@ -91,7 +91,7 @@ def test_tokenizer_that_cannot_be_found(name, expected, tmp_path):
 
 def test_bad_corpus_stops_moh_fit_at_setup(tmp_path, run_dir):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no files match pattern"):
+    with pytest.raises(SystemExit, match="^moh: data source path .*no files match pattern"):  # one line
         main(["fit", "--config", "llm_stdlib_75.yaml", f"--data.init_args.sources=[{{path: {tmp_path / 'empty'}}}]",
               f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--data.init_args.num_workers=2"])
     # stopped before any training step: no checkpoint in any of the run's folders

@@ -7,10 +7,12 @@ break or change a result; Inductor's C++ code generation takes ~40 s per layer o
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import class_of, printed_config
 from lightning.pytorch import Trainer
 from tiny_models import dit_t4_config, tiny_llama_config
 from torch.utils.data import DataLoader, TensorDataset
@@ -195,3 +197,26 @@ def test_language_model_applies_the_switches_after_building_its_model():
     task.configure_model()                                    # built once, wrapped once
     assert task.model is model
     assert all(type(block.__dict__.get("forward")).__name__ == "_CheckpointedForward" for block in model.blocks)
+
+
+@pytest.mark.parametrize("config", ["vit_tiny_mnist_75.yaml", "dit_mnist_75.yaml", "llm_stdlib_75.yaml"])
+def test_every_task_takes_the_speed_switches_and_compiles_only_on_cuda_by_default(config):
+    printed = printed_config(["--config", config, "--model.init_args.compile", "false",
+                              "--model.init_args.activation_checkpointing", "true"])
+    assert printed["model"]["init_args"]["compile"] is False
+    assert printed["model"]["init_args"]["activation_checkpointing"] is True
+    task_class = class_of(printed["model"]["class_path"])
+    assert inspect.signature(task_class).parameters["compile"].default == "auto"
+
+
+def test_compile_auto_compiles_each_block_on_cuda_and_nothing_on_the_cpu(monkeypatch):
+    task = _TinyTask(compile="auto")
+    task._trainer = type("T", (), {"strategy": type("S", (), {"root_device": torch.device("cpu")})()})()
+    task.configure_model()
+    assert not task._model_compiled and getattr(task.model, "_compiled_call_impl", None) is None
+    task._trainer.strategy.root_device = torch.device("cuda")  # the device the Trainer runs on, not a tensor's
+    task.configure_model()
+    assert task._model_compiled and all(block._compiled_call_impl is not None for block in task.model.blocks)
+    assert getattr(task.model, "_compiled_call_impl", None) is None  # regional: the blocks, not the whole model
+    with pytest.raises(ValueError, match="compile='always'"):
+        _TinyTask(compile="always")
