@@ -29,6 +29,30 @@ PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "
                     "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
 
 
+# Dense (no structured sparsity) tensor-core peaks per device, from NVIDIA's datasheets, for the GPUs Lightning's table
+# misses or lists at their 2:4-sparse figure: "NVIDIA H200" is not matched by Lightning's names, its "h200 sxm1" entry
+# is the sparse 2.0e15 (the H200 computes as the H100 SXM, 989.4 dense bf16 TFLOP/s). Looked up by a substring of
+# torch.cuda.get_device_name, first match wins; other GPUs fall back to Lightning's table.
+DENSE_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "h200 nvl": {torch.bfloat16: 835.5e12, torch.float16: 835.5e12, torch.float32: 60e12},
+    "h200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 66.9e12},
+    "h100 nvl": {torch.bfloat16: 835.5e12, torch.float16: 835.5e12, torch.float32: 60e12},
+    "h100 pcie": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51.2e12},
+    "h100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 66.9e12},
+    "b200": {torch.bfloat16: 2.25e15, torch.float16: 2.25e15, torch.float32: 80e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's dense peak FLOP/s at ``dtype``: ``DENSE_PEAK_FLOPS``, else Lightning's table; None on the CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for chip, peaks in DENSE_PEAK_FLOPS.items():
+            if chip in name and dtype in peaks:
+                return peaks[dtype]
+    return get_available_flops(device, dtype)
+
+
 # torch counts SDPA's CUDA kernels, not the CPU flash kernel: without these the CPU count would miss attention.
 @register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu)
 def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -113,8 +137,8 @@ class MoHThroughputMonitor(Callback):
     attention layer sees per sample (patches, latent patches or text tokens).
 
     Args:
-        available_flops: Peak FLOP/s of one device; None takes Lightning's table for the device and precision (known
-            GPUs; none for the CPU, where MFU is not logged).
+        available_flops: Peak FLOP/s of one device; None takes ``peak_flops`` for the device and precision (the
+            dense peaks of known GPUs, the H100 and H200 among them; none for the CPU, where MFU is not logged).
         window_size: Batches the rates are averaged over.
     """
 
@@ -137,7 +161,7 @@ class MoHThroughputMonitor(Callback):
         available = self.available_flops
         if available is None:
             dtype = PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
-            available = get_available_flops(trainer.strategy.root_device, dtype)
+            available = peak_flops(trainer.strategy.root_device, dtype)
         self._meters = tuple(Throughput(available_flops=available, world_size=trainer.world_size,
                                         window_size=self.window_size) for _ in range(2))
         self._samples = self._batches = 0

@@ -85,3 +85,15 @@ def test_training_logs_samples_tokens_and_both_mfus(tmp_path):
     assert 0 < ratio < 1
     assert last["throughput/mfu_computed"] == pytest.approx(ratio * last["throughput/mfu_dense"], rel=1e-6)
     assert last["throughput/mfu_dense"] == pytest.approx(last["throughput/flops_per_sec_dense"] / 1e12, rel=1e-6)
+
+
+@pytest.mark.parametrize("name, dtype, expected", [("NVIDIA H200", torch.bfloat16, 989.4e12),
+                                                   ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4e12),
+                                                   ("NVIDIA H200 NVL", torch.bfloat16, 835.5e12),
+                                                   ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12)])
+def test_mfu_uses_each_gpus_dense_peak(monkeypatch, name, dtype, expected):
+    from moh_lightning.callbacks.throughput import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda"), dtype) == pytest.approx(expected)
+    assert peak_flops(torch.device("cpu"), dtype) is None
