@@ -27,15 +27,16 @@ from moh_lightning.tools.bench.models import (
 from moh_lightning.tools.bench.op_count import op_count_section
 from moh_lightning.tools.bench.report import Report, header
 from moh_lightning.tools.bench.shapes import FRACTIONS
+from moh_lightning.tools.bench.steps import bench_steps
 from moh_lightning.tools.bench.timing import Clock
 
 DEFAULTS = {"quick": False, "repeats": 5, "warmup": 2, "models": True, "compiled": True, "threads": None,
-            "device": "cpu", "clock": "wall", "compile_backend": "inductor"}
+            "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False}
 
 
 def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
           models: bool = True, compiled: bool = True, threads: int | None = None, device: str = "cpu",
-          clock: str = "wall", compile_backend: str = "inductor") -> Path:
+          clock: str = "wall", compile_backend: str = "inductor", steps: bool = False) -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Args:
@@ -54,10 +55,15 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         clock: ``wall`` (elapsed time) or ``cpu`` (the process's CPU time: steadier on a shared machine; ratios
             between variants compare the work done, not the waiting).
         compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
+        steps: Only each task's MoH training step against its dense config (``bench.steps``): eager, and on CUDA
+            compiled too; rows into ``output`` (``results/gpu/steps.json`` by default) and a page beside it.
     """
     if clock not in ("wall", "cpu"):
         raise SystemExit(f"moh bench: --clock {clock!r}: choose wall or cpu.")
     run_on = torch.device(device)
+    if steps:
+        return bench_steps(device, output or "results/gpu/steps.json", compiled=compiled and run_on.type == "cuda",
+                           repeats=repeats, warmup=warmup)
     if run_on.type == "cuda":
         return bench_cuda(output or "results/bench_attention_cuda.md", quick=quick, device=device)
     output = output or "results/bench_attention.md"

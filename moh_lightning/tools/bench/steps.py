@@ -1,0 +1,164 @@
+"""``moh bench --steps true``: each task's MoH training step against its dense config, eager and compiled.
+
+One row per (MoH config, compile): the step times of the MoH network and of the dense config's (same shapes, same
+batch, bf16 autocast on a GPU), their ratio, the dense model's FLOPs per step over the step's time as a share of the
+device's dense peak (MFU counted with the dense model's FLOPs for both, the convention that credits MoH with no
+skipped work), and on CUDA the kernels one step launches and the share of the step's time the GPU is busy, which tell
+a launch-bound step from a compute-bound one. Rows go to ``steps.json`` (a list of ``{"config", "baseline",
+"device", "compile", "tokens", "ratio", "mfu", ...}``, a row of the same config, compile and device replaced) and a
+Markdown page beside it.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from moh_lightning.callbacks.throughput import peak_flops
+from moh_lightning.layers.moh_attention import compile_blocks
+from moh_lightning.tools.bench.model_step import model_step_parts, train_step
+
+# (MoH config, dense config, batch, sequence length or None for the config's own): the GPU defaults of each task, and
+# an LM at 1,024 and at 4,096 tokens, where attention dominates.
+GPU_PAIRS = [("vit_s_75", "vit_s_100", 128, None), ("dit_s2_75", "dit_s2_100", 128, None),
+             ("llm_s_75", "llm_s_100", 8, 1024), ("llm_s_50", "llm_s_100", 2, 4096)]
+# The CPU defaults at small batches: the same table in seconds, for trying the command (no MFU: no CPU peak).
+CPU_PAIRS = [("vit_tiny_mnist_75", "vit_tiny_mnist_100", 32, None), ("dit_mnist_75", "dit_mnist_100", 16, None),
+             ("llm_stdlib_75", "llm_stdlib_100", 4, 256)]
+
+
+def bench_steps(device: str = "cuda", output: str = "results/gpu/steps.json", compiled: bool = True,
+                repeats: int = 20, warmup: int = 3, pairs: list[tuple] | None = None) -> Path:
+    """Times every pair's steps, prints each row as it is measured, and writes ``output`` and its ``.md`` page."""
+    run_on = torch.device(device)
+    if run_on.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("moh bench: --device cuda, but torch sees no CUDA device here.")
+    pairs = pairs or (GPU_PAIRS if run_on.type == "cuda" else CPU_PAIRS)
+    path = Path(output)
+    rows = json.loads(path.read_text()) if path.is_file() else []
+    for compile_mode in ((False, True) if compiled else (False,)):
+        for moh, dense, batch, seq_len in pairs:
+            row = step_row(moh, dense, batch, seq_len, run_on, compile_mode, repeats, warmup)
+            rows = [r for r in rows if (r["config"], r["compile"], r["device"]) !=
+                    (row["config"], row["compile"], row["device"])] + [row]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(rows, indent=1) + "\n")  # after every row: a lease that ends keeps them
+            path.with_suffix(".md").write_text(page(rows))
+            print(f"moh bench: {moh} / {dense}, compile {compile_mode}: ratio {row['ratio']:.3f} "
+                  f"(MoH {row['moh_ms']:.2f} ms, dense {row['baseline_ms']:.2f} ms) -> {path}")
+    return path
+
+
+def step_row(moh: str, dense: str, batch: int, seq_len: int | None, device: torch.device, compile_mode: bool,
+             repeats: int, warmup: int) -> dict:
+    """One row of ``steps.json``."""
+    timings, flops, tokens, profile = {}, None, 0, {}
+    for name in (dense, moh):
+        model, inputs, loss_fn = model_step_parts(name, batch, device, seq_len)
+        if compile_mode:
+            compile_blocks(model)
+        step = _autocast(train_step(model, inputs, loss_fn), device)
+        if name == dense:
+            tokens = _tokens(model, inputs)
+            flops = _step_flops(step)
+        timings[name] = _median_seconds(step, device, repeats, warmup)
+        if device.type == "cuda":
+            profile[name] = _kernel_profile(step, timings[name])
+    peak = peak_flops(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    row = {"config": moh, "baseline": dense, "device": _device_name(device), "compile": compile_mode,
+           "tokens": tokens, "batch": batch, "ratio": timings[moh] / timings[dense],
+           "mfu": None if peak is None else flops / timings[moh] / peak,
+           "baseline_mfu": None if peak is None else flops / timings[dense] / peak,
+           "moh_ms": timings[moh] * 1e3, "baseline_ms": timings[dense] * 1e3}
+    if profile:
+        row.update(moh_kernels=profile[moh][0], moh_gpu_busy=profile[moh][1],
+                   baseline_kernels=profile[dense][0], baseline_gpu_busy=profile[dense][1])
+    return row
+
+
+def _autocast(step, device: torch.device):
+    if device.type != "cuda":
+        return step
+
+    def bf16_step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step()
+    return bf16_step
+
+
+def _tokens(model, inputs) -> int:
+    """Positions the first attention layer sees per sample: patches, latent patches or text tokens."""
+    seen = []
+    layer = next(m for m in model.modules() if type(m).__name__ == "MoHAttention")
+    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        model(*inputs)
+    hook.remove()
+    return seen[0]
+
+
+def _step_flops(step) -> float:
+    """FLOPs of one training step (forward and backward; the optimizer's elementwise work is not counted)."""
+    with FlopCounterMode(display=False) as counter, torch.compiler.set_stance("force_eager"):
+        step()
+    return float(counter.get_total_flops())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(step, device: torch.device, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _kernel_profile(step, seconds: float) -> tuple[int, float]:
+    """(CUDA kernels one step launches, the share of the step's time they keep the GPU busy), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels)
+    return len(kernels), min(1.0, busy_us * 1e-6 / seconds)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def page(rows: list[dict]) -> str:
+    """``steps.json`` as a Markdown table."""
+    lines = ["# Training steps: MoH against its dense config", "",
+             "Ratio = MoH step time / the dense config's step time (same batch and shapes); MFU counts the dense "
+             "model's FLOPs against the device's dense bf16 peak; kernels and GPU-busy share from the profiler "
+             "(CUDA only). Written by `moh bench --steps true`.", "",
+             "| config | baseline | device | compile | tokens | batch | MoH ms | dense ms | ratio | MoH MFU "
+             "| dense MFU | kernels MoH / dense | GPU busy MoH / dense |", "|" + "---|" * 13]
+    for r in rows:
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        base_mfu = "n/a" if r["baseline_mfu"] is None else f"{r['baseline_mfu']:.1%}"
+        kernels = f"{r['moh_kernels']} / {r['baseline_kernels']}" if "moh_kernels" in r else "n/a"
+        busy = f"{r['moh_gpu_busy']:.0%} / {r['baseline_gpu_busy']:.0%}" if "moh_gpu_busy" in r else "n/a"
+        lines.append(f"| {r['config']} | {r['baseline']} | {r['device']} | {r['compile']} | {r['tokens']} | "
+                     f"{r['batch']} | {r['moh_ms']:.2f} | {r['baseline_ms']:.2f} | {r['ratio']:.3f} | {mfu} | "
+                     f"{base_mfu} | {kernels} | {busy} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["CPU_PAIRS", "GPU_PAIRS", "bench_steps", "page", "step_row"]
