@@ -2,6 +2,8 @@
 ``datasets.load_dataset("imagefolder", data_dir=...)``, with the folder module's timm transforms and switches."""
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
@@ -10,9 +12,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from moh_lightning.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    DeviceAugment,
     WorkerRandomState,
     _normalisation,
-    image_transforms,
 )
 from moh_lightning.data.loaders import train_loader
 from moh_lightning.errors import MissingDataError
@@ -33,7 +35,7 @@ class HFImageDataset(WorkerRandomState, Dataset):
         return self.transform(row[self.image_field].convert(self.mode)), int(row[self.label_field])
 
 
-class HFImageDataModule(LightningDataModule):
+class HFImageDataModule(DeviceAugment, LightningDataModule):
     """A ``datasets`` image-classification dataset: ``dataset`` is a hub id (``uoft-cs/cifar10``) or a loader such
     as ``imagefolder`` with ``data_dir`` (a local folder, ``train/<class>/`` and ``val/<class>/`` or ``test/``).
 
@@ -69,6 +71,7 @@ class HFImageDataModule(LightningDataModule):
             mean: tuple[float, ...] | None = None,
             std: tuple[float, ...] | None = None,
             in_chans: int = 3,
+            device_augment: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -133,8 +136,7 @@ class HFImageDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
         splits = self._load()
-        train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,
-                                            hp.re_prob, hp.interpolation, hp.crop_pct, self.mean, self.std)
+        train_tf, val_tf = self.transforms()
         mode = "L" if hp.in_chans == 1 else "RGB"
         if stage == "test":
             if "test" not in splits:

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from PIL import Image
 from timm.data import create_transform
+from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.datasets import ImageFolder
@@ -90,15 +91,64 @@ def _normalisation(in_chans: int, mean, std, default_mean, default_std) -> tuple
 
 
 def image_transforms(img_size: int, in_chans: int, crop_scale, hflip: float, auto_augment, re_prob: float,
-                     interpolation: str, crop_pct: float, mean, std):
-    """timm's ``create_transform`` for training and for validation, with timm's own argument names."""
+                     interpolation: str, crop_pct: float, mean, std, on_device: bool = False):
+    """timm's ``create_transform`` for training and for validation, with timm's own argument names.
+
+    ``on_device``: the loader workers crop, flip and augment only, and hand over uint8 tensors (a quarter of float32's
+    bytes to copy); normalisation and Random Erasing run on the device after the copy (``DeviceAugment``), as timm's
+    ``PrefetchLoader`` does.
+    """
     size = (in_chans, img_size, img_size)
     train = create_transform(size, is_training=True, scale=tuple(crop_scale), hflip=hflip,
                              auto_augment=auto_augment, re_prob=re_prob, interpolation=interpolation,
-                             mean=mean, std=std)
+                             mean=mean, std=std, use_prefetcher=on_device)
     val = create_transform(size, is_training=False, crop_pct=crop_pct, interpolation=interpolation, mean=mean,
-                           std=std)
+                           std=std, use_prefetcher=on_device)
     return train, val
+
+
+class DeviceAugment:
+    """The last steps of the image transforms on the device, after the batch is copied there (timm's prefetcher's
+    work, as a ``LightningDataModule`` hook): uint8 to float, normalisation, and in training Random Erasing.
+
+    ``device_augment``: ``auto`` does this when the Trainer runs on CUDA (the loader workers then deliver what the GPU
+    consumes with fewer cores), ``true`` on any device, ``false`` never (the workers normalise and erase, as timm's
+    transforms alone do). Mixup / CutMix run on the device in the task either way.
+    """
+
+    def device_side(self) -> bool:
+        """Whether this run's loaders hand over uint8 images for the device to finish."""
+        setting = self.hparams.device_augment
+        if setting == "auto":
+            return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        return bool(setting)
+
+    def transforms(self):
+        """(training, validation) transforms of this module's switches, finished on the device when ``device_side``."""
+        hp = self.hparams
+        self._device_side = self.device_side()
+        return image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment, hp.re_prob,
+                                hp.interpolation, hp.crop_pct, self.mean, self.std, on_device=self._device_side)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        if not getattr(self, "_device_side", False) or not isinstance(batch, (tuple, list)) \
+                or batch[0].dtype != torch.uint8:
+            return batch
+        images = batch[0]
+        channels = images.shape[1]
+        mean = torch.tensor(self.mean, device=images.device).view(1, channels, 1, 1) * 255
+        std = torch.tensor(self.std, device=images.device).view(1, channels, 1, 1) * 255
+        images = (images.float() - mean) / std
+        if self.hparams.re_prob > 0 and self.trainer is not None and self.trainer.training:
+            images = self._random_erasing(images.device)(images)
+        return (images, *batch[1:])
+
+    def _random_erasing(self, device: torch.device) -> RandomErasing:
+        erasing = getattr(self, "_erasing", None)
+        if erasing is None or erasing.device != device:
+            # timm's own, as its prefetcher and its worker-side transform use it: the same distribution either side.
+            erasing = self._erasing = RandomErasing(self.hparams.re_prob, mode="const", device=device)
+        return erasing
 
 
 class CheckedImageFolder(WorkerRandomState, ImageFolder):
@@ -148,7 +198,7 @@ class CheckedImageFolder(WorkerRandomState, ImageFolder):
         raise RuntimeError(f"No readable image under {self.root}: every file failed to load.")
 
 
-class ImageFolderDataModule(LightningDataModule):
+class ImageFolderDataModule(DeviceAugment, LightningDataModule):
     """ImageNet's layout: ``data_dir/train/<class>/*.jpg`` and ``data_dir/val/<class>/*.jpg``.
 
     Training images get timm's ``create_transform`` (random-resized crop with scale ``crop_scale``, flip with
@@ -157,7 +207,8 @@ class ImageFolderDataModule(LightningDataModule):
     recipe. ``in_chans=1`` reads every image as grayscale (``mean`` / ``std`` then default to ImageNet's averaged
     over the channels). For small data sets of shapes that flipping changes (digits, letters) set ``hflip: 0`` and
     a gentler ``crop_scale`` such as ``[0.7, 1.0]``. An unreadable image file stops the run with its name
-    (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``).
+    (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``). ``device_augment`` finishes the
+    transforms on the GPU (``DeviceAugment``).
     """
 
     def __init__(
@@ -176,6 +227,7 @@ class ImageFolderDataModule(LightningDataModule):
             mean: tuple[float, ...] | None = None,
             std: tuple[float, ...] | None = None,
             in_chans: int = 3,
+            device_augment: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -203,9 +255,7 @@ class ImageFolderDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
-        train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip,
-                                            hp.auto_augment, hp.re_prob, hp.interpolation, hp.crop_pct, self.mean,
-                                            self.std)
+        train_tf, val_tf = self.transforms()
         gray = hp.in_chans == 1
         classes = sorted(entry.name for entry in self._split_dir("train").iterdir() if entry.is_dir())
         if stage == "test":
@@ -279,7 +329,7 @@ def load_mnist_5k(val_fraction: float = 0.1, seed: int = 0) -> dict[str, tuple[n
     return {"train": (images[train], labels[train]), "val": (images[val], labels[val])}
 
 
-class MNISTDataModule(LightningDataModule):
+class MNISTDataModule(DeviceAugment, LightningDataModule):
     """The embedded default: 4,500 / 500 MNIST digits (seeded split) at 28x28, one channel.
 
     Training uses timm's transform (random-resized crop with scale ``crop_scale``, RandAugment, Random
@@ -305,6 +355,7 @@ class MNISTDataModule(LightningDataModule):
             interpolation: str = "bilinear",
             crop_pct: float = 1.0,
             in_chans: int = 1,
+            device_augment: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -324,8 +375,7 @@ class MNISTDataModule(LightningDataModule):
                 "(ImageFolderDataModule).")
         hp = self.hparams
         splits = load_mnist_5k(hp.val_fraction, hp.split_seed)
-        train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,
-                                            hp.re_prob, hp.interpolation, hp.crop_pct, self.mean, self.std)
+        train_tf, val_tf = self.transforms()
         mode = "L" if hp.in_chans == 1 else "RGB"
         self.train_set = ArrayImageDataset(*splits["train"], transform=train_tf, mode=mode)
         self.val_set = ArrayImageDataset(*splits["val"], transform=val_tf, mode=mode)
