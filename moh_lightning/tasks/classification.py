@@ -11,7 +11,10 @@ precision are Trainer settings in the configs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
@@ -19,7 +22,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from moh_lightning.models.transnext import TransNeXtConfig, create_transnext, load_pretrained
-from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.models.vit import ViTConfig, create_vit, load_vit_weights
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
 
 
@@ -39,6 +42,11 @@ class ImageClassifier(MoHTask):
         mixup_switch_prob: Probability of CutMix rather than Mixup when both are on.
         label_smoothing: Label smoothing of the (soft) targets.
         load_balance_beta: Weight beta of the load-balance loss (paper Eq. 8).
+        init_from: Weights to start from (``load_vit_weights``): a ``moh fit`` checkpoint of an ``ImageClassifier``
+            with any head budget (routers kept where their shapes fit this budget, else fresh), a timm model name or
+            a weights file (a dense timm ViT, an ``moh export-timm`` folder's file). Loaded when a run starts, with a
+            line saying what was loaded; a run that restores a checkpoint (``--ckpt_path``) ends with its weights.
+            ``arch.pretrained``, its name before every task used ``init_from``, still works, with a warning.
     """
 
     head_load_group_name = "class"
@@ -57,9 +65,12 @@ class ImageClassifier(MoHTask):
             mixup_switch_prob: float = 0.5,
             label_smoothing: float = 0.1,
             load_balance_beta: float = 0.01,
+            init_from: str | None = None,
     ) -> None:
         super().__init__(load_balance_beta)
         self.save_hyperparameters()
+        self.init_from = init_from
+        self._init_from_loaded = False
         self.model = self.build_model(arch)
         num_classes = self.model.num_classes
         self.mixup = None
@@ -73,10 +84,12 @@ class ImageClassifier(MoHTask):
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
 
-    @staticmethod
-    def build_model(arch: ViTConfig | dict) -> nn.Module:
+    def build_model(self, arch: ViTConfig | dict) -> nn.Module:
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
-        return create_vit(arch if isinstance(arch, ViTConfig) else ViTConfig(**arch))
+        config = arch if isinstance(arch, ViTConfig) else ViTConfig(**arch)
+        # Read as init_from, so the weights load once when a run starts, not whenever a checkpoint is opened.
+        self.init_from = init_from_option(self.init_from, config.pretrained, "arch.pretrained")
+        return create_vit(replace(config, pretrained=None))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -90,6 +103,15 @@ class ImageClassifier(MoHTask):
         if isinstance(data_classes, int) and data_classes != self.model.num_classes:
             raise ValueError(f"model.init_args.arch.num_classes={self.model.num_classes} but the data has "
                              f"{data_classes} classes: set --model.init_args.arch.num_classes={data_classes}.")
+        # A checkpoint the trainer restores is loaded after this hook, over these weights.
+        if self.init_from and not self._init_from_loaded and self.trainer.ckpt_path is None:
+            loaded = self.load_init_from(self.init_from)
+            self._init_from_loaded = True
+            rank_zero_info(f"moh: model.init_args.init_from={self.init_from}: {loaded}.")
+
+    def load_init_from(self, source: str) -> str:
+        """Loads the weights ``source`` into the network; what was loaded, in words (``load_vit_weights``)."""
+        return load_vit_weights(self.model, source)
 
     def head_load_groups(self, batch) -> torch.Tensor:
         """The class of each image, for the per-class head-load views."""
@@ -152,26 +174,22 @@ class TransNeXtClassifier(ImageClassifier):
         arch: The TransNeXt architecture and its per-stage head budgets (``arch.moh``).
         init_from: Weights to start from: a file or a hub id (``owner/name``, or ``owner/name:file``) in the suite's
             layout or the authors' (SkyworkAI/MoH's MoH-ViT and TransNeXt's checkpoints); every tensor must fit.
-            Loaded when a run starts unless it resumes a checkpoint (``--ckpt_path``), whose weights win.
+            Loaded when a run starts, as ``ImageClassifier``'s.
         pretrained: ``init_from``'s name before the release that gave every task one name; warns.
         **kwargs: ``ImageClassifier``'s arguments.
     """
 
     def __init__(self, arch: TransNeXtConfig, init_from: str | None = None, pretrained: str | None = None,
                  **kwargs) -> None:
-        super().__init__(arch, **kwargs)
-        self.init_from = init_from_option(init_from, pretrained, "pretrained")
-        self._pretrained_loaded = False
+        super().__init__(arch, init_from=init_from_option(init_from, pretrained, "pretrained"), **kwargs)
 
     @staticmethod
     def build_model(arch: TransNeXtConfig | dict) -> nn.Module:
         return create_transnext(arch if isinstance(arch, TransNeXtConfig) else TransNeXtConfig(**arch))
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if self.init_from and not self._pretrained_loaded and self.trainer.ckpt_path is None:
-            load_pretrained(self.model, self.init_from)
-            self._pretrained_loaded = True
+    def load_init_from(self, source: str) -> str:
+        load_pretrained(self.model, source)
+        return "every weight loaded"
 
     def parameter_groups(self, weight_decay: float) -> list[dict]:
         """TransNeXt's rule: every weight of more than one dimension decays (its learnable tokens and bias too),
