@@ -10,6 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from moh_lightning.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    PredictFolder,
     WorkerRandomState,
     _normalisation,
     image_transforms,
@@ -32,7 +33,7 @@ class HFImageDataset(WorkerRandomState, Dataset):
         return self.transform(row[self.image_field].convert(self.mode)), int(row[self.label_field])
 
 
-class HFImageDataModule(LightningDataModule):
+class HFImageDataModule(PredictFolder, LightningDataModule):
     """A ``datasets`` image-classification dataset: ``dataset`` is a hub id (``uoft-cs/cifar10``) or a loader such
     as ``imagefolder`` with ``data_dir`` (a local folder, ``train/<class>/`` and ``val/<class>/`` or ``test/``).
 
@@ -40,6 +41,8 @@ class HFImageDataModule(LightningDataModule):
     ``train_split``. Labels are the ``label_field`` column (a ``ClassLabel``: ``num_classes`` comes from it and
     is linked into the model). Transforms and switches are ``ImageFolderDataModule``'s (timm's names and defaults,
     the paper's ImageNet recipe); for small data sets of digits or letters set ``hflip: 0`` and ``crop_scale``.
+    ``moh predict`` classifies the images of ``predict_dir`` (``PredictFolder``), naming the classes by the label
+    column's names.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class HFImageDataModule(LightningDataModule):
             mean: tuple[float, ...] | None = None,
             std: tuple[float, ...] | None = None,
             in_chans: int = 3,
+            predict_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -118,10 +122,20 @@ class HFImageDataModule(LightningDataModule):
         return feature.num_classes
 
     @property
+    def class_names(self) -> list[str] | None:
+        """The label column's class names (a ``ClassLabel``'s); None when the dataset does not name them."""
+        try:
+            return list(self._load()["train"].features[self.hparams.label_field].names)
+        except (OSError, ValueError, KeyError, AttributeError):
+            return None
+
+    @property
     def in_chans(self) -> int:
         return self.hparams.in_chans
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":  # predict_dir alone
+            return
         hp = self.hparams
         splits = self._load()
         train_tf, val_tf = image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment,

@@ -50,6 +50,8 @@ class ImageClassifier(MoHTask):
     """
 
     head_load_group_name = "class"
+    #: Classes per image that ``predict_step`` returns (as the top-5 accuracy), fewer when the model has fewer.
+    predict_top_k = 5
 
     def __init__(
             self,
@@ -142,9 +144,13 @@ class ImageClassifier(MoHTask):
         self.log(f"{stage}/acc1", self.val_top1, prog_bar=True)
         self.log(f"{stage}/acc5", self.val_top5)
 
-    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(images).softmax(-1)
+    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """The most probable classes of each image of a batch of (images, their indices in the predict set): the
+        ``predict_top_k`` class indices (B, k), most probable first, their probabilities (B, k) and the indices."""
+        images, index = batch
+        probs = self(images).softmax(-1)
+        top = probs.topk(min(self.predict_top_k, probs.shape[-1]), dim=-1)
+        return {"index": index, "classes": top.indices, "probs": top.values}
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -29,7 +29,8 @@ OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"
 
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
-NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None}
+NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None, "max_new_tokens": 200,
+               "temperature": 0.8, "top_k_tokens": 50, "top_p": 1.0}
 # Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
 OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
 
@@ -72,7 +73,7 @@ def _task_hparams(task: dict) -> dict:
 
 
 # Callbacks added to every run since the snapshot; they write or print, and change no training.
-ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor"}
+ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor", "PredictionWriter"}
 # Lightning's Rich progress bar became the suite's, which labels unlimited epochs ("Epoch 0", not "Epoch 0/-2").
 RENAMED_CALLBACKS = {"MoHRichProgressBar": "RichProgressBar"}
 
