@@ -46,6 +46,9 @@ class LanguageModel(MoHTask):
         temperature: ``moh predict``: softmax temperature of the sampler; 0 is greedy decoding.
         top_k_tokens: ``moh predict``: sample among the k most likely tokens; None for all.
         top_p: ``moh predict``: nucleus sampling mass; 1.0 turns it off.
+
+    The four generation settings say how one ``moh predict`` decodes, not what the model is: they are not saved with
+    the checkpoint, whose hyper-parameters LightningCLI would otherwise put over the command line's.
     """
 
     head_load_group_name = "source"
@@ -76,7 +79,9 @@ class LanguageModel(MoHTask):
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
         if not 0 <= min_lr <= lr:
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
-        self.save_hyperparameters()
+        self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
+                           "top_p": top_p}
+        self.save_hyperparameters(ignore=list(self.generation))  # not saved: see the class's docstring
         self.init_from = init_from_option(init_from, init_from_hf, "init_from_hf")
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.config = config
@@ -142,9 +147,8 @@ class LanguageModel(MoHTask):
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
         """Continues one prompt (a batch of one: prompts differ in length) with the generation settings above, as
         ``moh generate --seed 0`` continues it; the completion's text, and the prompt's index."""
-        hp = self.hparams
-        completions = self.complete(batch["tokens"][0].tolist(), self.trainer.datamodule.tokenizer,
-                                    hp.max_new_tokens, hp.temperature, hp.top_k_tokens, hp.top_p, seed=0)
+        completions = self.complete(batch["tokens"][0].tolist(), self.trainer.datamodule.tokenizer, seed=0,
+                                    **self.generation)
         return {"index": batch["index"], "completions": completions}
 
     @torch.no_grad()

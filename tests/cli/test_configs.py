@@ -29,8 +29,7 @@ OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"
 
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
-NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None, "max_new_tokens": 200,
-               "temperature": 0.8, "top_k_tokens": 50, "top_p": 1.0}
+NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None}
 # Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
 OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
 

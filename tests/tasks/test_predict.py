@@ -96,11 +96,11 @@ def test_predict_continues_every_prompt_as_moh_generate_does(run_dir, capsys):
     torch.manual_seed(0)
     task = LanguageModel(config)
     task.configure_model()
-    checkpoint = write_checkpoint(run_dir / "lm.ckpt", LanguageModel, {"arch": asdict(config), "max_new_tokens": 12},
-                                  task.state_dict(), {"tokenizer": "byte"})
+    checkpoint = write_checkpoint(run_dir / "lm.ckpt", LanguageModel, {"arch": asdict(config)}, task.state_dict(),
+                                  {"tokenizer": "byte"})
     (run_dir / "prompts.txt").write_text("def parse(\n\nimport os\nclass A:\n")
     main(["predict", "--config", "llm_stdlib_75.yaml", "--ckpt_path", str(checkpoint), "--trainer.logger=false",
-          "--data.init_args.predict_prompts", "prompts.txt", *QUIET])
+          "--data.init_args.predict_prompts", "prompts.txt", "--model.init_args.max_new_tokens=12", *QUIET])
     written = run_dir / "predictions" / "prompts.jsonl"
     assert f"moh predict: 3 prompts continued: {written}" in capsys.readouterr().out
     lines = [json.loads(line) for line in written.read_text().splitlines()]
