@@ -36,6 +36,7 @@ from moh_lightning.callbacks import (
     FiniteLossGuard,
     HeadLoadCallback,
     MoHThroughputMonitor,
+    PredictionWriter,
     RunSummary,
     StepCheckpoint,
 )
@@ -177,7 +178,8 @@ class MoHLightningCLI(LightningCLI):
 
     The callbacks every run needs are always on, each configured under its own key: ``head_load``
     (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard``,
-    ``run_summary`` and ``throughput`` (``MoHThroughputMonitor``).
+    ``run_summary``, ``throughput`` (``MoHThroughputMonitor``) and ``predictions`` (``PredictionWriter``, what
+    ``moh predict`` writes).
     ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
     run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
     or other workers continue, with one line saying what changed.
@@ -218,6 +220,7 @@ class MoHLightningCLI(LightningCLI):
         parser.add_lightning_class_args(FiniteLossGuard, "finite_loss_guard")
         parser.add_lightning_class_args(RunSummary, "run_summary")
         parser.add_lightning_class_args(MoHThroughputMonitor, "throughput")
+        parser.add_lightning_class_args(PredictionWriter, "predictions")
         # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
         # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
         # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
@@ -277,6 +280,14 @@ class MoHLightningCLI(LightningCLI):
             record_changes(version_dir, checkpoint, changes)
         logger_args.version = int(version_dir.name.removeprefix("version_"))
         config.ckpt_path = str(checkpoint)
+
+    def before_predict(self) -> None:
+        """``moh predict`` where the task or the data cannot predict (no images or prompts given, a diffusion model)
+        stops in one line saying what to do, before the trainer starts: their ``predict_problem``."""
+        for part in (self.model, self.datamodule):
+            problem = part.predict_problem() if hasattr(part, "predict_problem") else None
+            if problem:
+                raise SystemExit(f"moh predict: {problem}")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         # The bar Lightning adds when none is configured becomes the suite's, which labels unlimited epochs truthfully.

@@ -38,6 +38,13 @@ CONTINUABLE_KEYS = {
     "data.init_args.cache_dir": "",
     "data.init_args.encode_batch_size": "",
     "data.init_args.samples_per_epoch": "",      # the text mixture's epoch length
+    # What `moh predict` reads and how the LM continues its prompts: nothing of training.
+    "data.init_args.predict_dir": "",
+    "data.init_args.predict_prompts": "",
+    "model.init_args.max_new_tokens": "",
+    "model.init_args.temperature": "",
+    "model.init_args.top_k_tokens": "",
+    "model.init_args.top_p": "",
 }
 CHANGES_LOG = "resumes.log"  # in the version folder: one line per resume that changed a setting
 

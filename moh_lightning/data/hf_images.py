@@ -13,6 +13,7 @@ from moh_lightning.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     DeviceAugment,
+    PredictFolder,
     WorkerRandomState,
     _normalisation,
 )
@@ -35,7 +36,7 @@ class HFImageDataset(WorkerRandomState, Dataset):
         return self.transform(row[self.image_field].convert(self.mode)), int(row[self.label_field])
 
 
-class HFImageDataModule(DeviceAugment, LightningDataModule):
+class HFImageDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     """A ``datasets`` image-classification dataset: ``dataset`` is a hub id (``uoft-cs/cifar10``) or a loader such
     as ``imagefolder`` with ``data_dir`` (a local folder, ``train/<class>/`` and ``val/<class>/`` or ``test/``).
 
@@ -44,6 +45,8 @@ class HFImageDataModule(DeviceAugment, LightningDataModule):
     under test keys). Labels are the ``label_field`` column (a ``ClassLabel``: ``num_classes`` comes from it and
     is linked into the model). Transforms and switches are ``ImageFolderDataModule``'s (timm's names and defaults,
     the paper's ImageNet recipe); for small data sets of digits or letters set ``hflip: 0`` and ``crop_scale``.
+    ``moh predict`` classifies the images of ``predict_dir`` (``PredictFolder``), naming the classes by the label
+    column's names.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class HFImageDataModule(DeviceAugment, LightningDataModule):
             std: tuple[float, ...] | None = None,
             in_chans: int = 3,
             device_augment: bool | Literal["auto"] = "auto",
+            predict_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -130,10 +134,20 @@ class HFImageDataModule(DeviceAugment, LightningDataModule):
         return feature.num_classes
 
     @property
+    def class_names(self) -> list[str] | None:
+        """The label column's class names (a ``ClassLabel``'s); None when the dataset does not name them."""
+        try:
+            return list(self._load()["train"].features[self.hparams.label_field].names)
+        except (OSError, ValueError, KeyError, AttributeError):
+            return None
+
+    @property
     def in_chans(self) -> int:
         return self.hparams.in_chans
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":  # predict_dir alone
+            return
         hp = self.hparams
         splits = self._load()
         train_tf, val_tf = self.transforms()

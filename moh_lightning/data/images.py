@@ -19,7 +19,7 @@ from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import default_loader
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes
 
 from moh_lightning.data.loaders import pin_memory, train_loader
 from moh_lightning.errors import MissingDataError
@@ -102,9 +102,15 @@ def image_transforms(img_size: int, in_chans: int, crop_scale, hflip: float, aut
     train = create_transform(size, is_training=True, scale=tuple(crop_scale), hflip=hflip,
                              auto_augment=auto_augment, re_prob=re_prob, interpolation=interpolation,
                              mean=mean, std=std, use_prefetcher=on_device)
-    val = create_transform(size, is_training=False, crop_pct=crop_pct, interpolation=interpolation, mean=mean,
-                           std=std, use_prefetcher=on_device)
-    return train, val
+    return train, eval_transform(img_size, in_chans, interpolation, crop_pct, mean, std, on_device)
+
+
+def eval_transform(img_size: int, in_chans: int, interpolation: str, crop_pct: float, mean, std,
+                   on_device: bool = False):
+    """timm's ``create_transform`` for validation, test and prediction: resize, centre crop, normalise (on the device
+    after the copy when ``on_device``: uint8 out)."""
+    return create_transform((in_chans, img_size, img_size), is_training=False, crop_pct=crop_pct,
+                            interpolation=interpolation, mean=mean, std=std, use_prefetcher=on_device)
 
 
 class DeviceAugment:
@@ -198,7 +204,63 @@ class CheckedImageFolder(WorkerRandomState, ImageFolder):
         raise RuntimeError(f"No readable image under {self.root}: every file failed to load.")
 
 
-class ImageFolderDataModule(DeviceAugment, LightningDataModule):
+def image_files(root: Path) -> list[Path]:
+    """The image files under ``root`` at any depth (torchvision's image extensions), sorted."""
+    return sorted(path for path in root.rglob("*") if path.suffix.lower() in IMG_EXTENSIONS and path.is_file())
+
+
+class PredictImages(Dataset):
+    """New images to classify: the image files under ``source`` at any depth, in sorted order, as (image, index).
+
+    ``items`` holds each file's path (``source`` joined with its path below it), which the prediction writer names.
+    """
+
+    def __init__(self, source: Path, transform, mode: str) -> None:
+        self.source, self.transform, self.mode = source, transform, mode
+        self.items = [str(path) for path in image_files(source)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path = self.items[index]
+        try:
+            with open(path, "rb") as file:
+                image = Image.open(file).convert(self.mode)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            raise RuntimeError(f"Unreadable image {path} ({error}): delete or replace it, or move it out of "
+                               f"data.init_args.predict_dir.") from error
+        return self.transform(image), index
+
+
+class PredictFolder:
+    """``moh predict`` for the image data modules: the images of ``predict_dir`` (any layout, no labels), each read as
+    a validation image (resized, centre-cropped, normalised; grayscale with ``in_chans=1``), as (image, index)."""
+
+    def predict_problem(self) -> str | None:
+        """Why ``moh predict`` cannot run with these settings, in one line; None when it can."""
+        folder = self.hparams.predict_dir
+        if folder is None:
+            return ("no images to predict: pass --data.init_args.predict_dir <folder> (image files at any depth, no "
+                    "labels needed).")
+        path = Path(folder).expanduser()
+        if not path.is_dir():
+            return f"data.init_args.predict_dir={folder!r}: no such folder; give a folder of images."
+        if not any(file.suffix.lower() in IMG_EXTENSIONS for file in path.rglob("*")):
+            return f"data.init_args.predict_dir={folder!r}: no image file ({', '.join(IMG_EXTENSIONS)}) under it."
+        return None
+
+    def predict_dataloader(self) -> DataLoader:
+        problem = self.predict_problem()
+        if problem:
+            raise ValueError(problem)
+        hp = self.hparams
+        transform = eval_transform(hp.img_size, hp.in_chans, hp.interpolation, hp.crop_pct, self.mean, self.std)
+        images = PredictImages(Path(hp.predict_dir).expanduser(), transform, "L" if hp.in_chans == 1 else "RGB")
+        return DataLoader(images, batch_size=hp.batch_size, num_workers=hp.num_workers)
+
+
+class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     """ImageNet's layout: ``data_dir/train/<class>/*.jpg`` and ``data_dir/val/<class>/*.jpg``.
 
     Training images get timm's ``create_transform`` (random-resized crop with scale ``crop_scale``, flip with
@@ -207,8 +269,9 @@ class ImageFolderDataModule(DeviceAugment, LightningDataModule):
     recipe. ``in_chans=1`` reads every image as grayscale (``mean`` / ``std`` then default to ImageNet's averaged
     over the channels). For small data sets of shapes that flipping changes (digits, letters) set ``hflip: 0`` and
     a gentler ``crop_scale`` such as ``[0.7, 1.0]``. An unreadable image file stops the run with its name
-    (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``). ``device_augment`` finishes the
-    transforms on the GPU (``DeviceAugment``).
+    (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``). ``moh predict`` classifies the images
+    of ``predict_dir`` (``PredictFolder``), naming the classes by the ``train/`` folders; ``device_augment`` finishes
+    the transforms on the GPU (``DeviceAugment``).
     """
 
     def __init__(
@@ -228,6 +291,7 @@ class ImageFolderDataModule(DeviceAugment, LightningDataModule):
             std: tuple[float, ...] | None = None,
             in_chans: int = 3,
             device_augment: bool | Literal["auto"] = "auto",
+            predict_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -254,6 +318,8 @@ class ImageFolderDataModule(DeviceAugment, LightningDataModule):
         return path
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":  # predict_dir alone: no train/ or val/ folder needed
+            return
         hp = self.hparams
         train_tf, val_tf = self.transforms()
         gray = hp.in_chans == 1
@@ -276,6 +342,14 @@ class ImageFolderDataModule(DeviceAugment, LightningDataModule):
         if not path.is_dir():
             raise AttributeError(f"num_classes: no folder {path}")
         return sum(1 for entry in path.iterdir() if entry.is_dir())
+
+    @property
+    def class_names(self) -> list[str] | None:
+        """The class folders under ``train/`` in ImageFolder's (sorted) order; None without them."""
+        try:
+            return find_classes(str(self.data_dir / "train"))[0]
+        except FileNotFoundError:
+            return None
 
     @property
     def in_chans(self) -> int:
@@ -329,15 +403,17 @@ def load_mnist_5k(val_fraction: float = 0.1, seed: int = 0) -> dict[str, tuple[n
     return {"train": (images[train], labels[train]), "val": (images[val], labels[val])}
 
 
-class MNISTDataModule(DeviceAugment, LightningDataModule):
+class MNISTDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     """The embedded default: 4,500 / 500 MNIST digits (seeded split) at 28x28, one channel.
 
     Training uses timm's transform (random-resized crop with scale ``crop_scale``, RandAugment, Random
     Erasing) without flips (``hflip=0``), which would turn digits into other shapes. The switches are the folder
-    module's, with timm's names; ``in_chans=3`` repeats the gray channel.
+    module's, with timm's names; ``in_chans=3`` repeats the gray channel. ``moh predict`` classifies the images of
+    ``predict_dir`` (``PredictFolder``).
     """
 
     num_classes = 10
+    class_names = [str(digit) for digit in range(10)]
 
     def __init__(
             self,
@@ -356,6 +432,7 @@ class MNISTDataModule(DeviceAugment, LightningDataModule):
             crop_pct: float = 1.0,
             in_chans: int = 1,
             device_augment: bool | Literal["auto"] = "auto",
+            predict_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -368,6 +445,8 @@ class MNISTDataModule(DeviceAugment, LightningDataModule):
         return self.hparams.in_chans
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":  # predict_dir alone
+            return
         if stage == "test":
             raise MissingDataError(
                 "the embedded MNIST digits (MNISTDataModule) have no test split, only training and validation digits: "

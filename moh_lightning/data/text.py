@@ -34,6 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -401,6 +402,22 @@ class EvenChunks(Dataset):
         return {"tokens": torch.from_numpy(window), "source": torch.tensor(source)}
 
 
+class Prompts(Dataset):
+    """Prompts to continue (``moh predict``): the lines of ``source`` that hold text, each as its token ids (encoded
+    as ``moh generate`` encodes a prompt) and its index; ``items`` holds the prompts' text."""
+
+    def __init__(self, source: Path, tokenizer) -> None:
+        self.source = source
+        self.items = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+        self.ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in self.items]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"tokens": torch.tensor(self.ids[index]), "index": torch.tensor(index)}
+
+
 class TextDataModule(LightningDataModule):
     """Packed next-token sequences from a weighted mixture of text sources.
 
@@ -419,6 +436,8 @@ class TextDataModule(LightningDataModule):
             their names), ``tokens`` (the last ``val_fraction`` of the source's tokens, one contiguous block, so no
             window straddles training and validation), or ``auto``: by documents unless that leaves the training or
             the validation side of a source without a document (a single text file), then by tokens.
+        predict_prompts: A text file of prompts, one a line, that ``moh predict`` continues (one at a time, as
+            prompts differ in length); the sources are not read then.
     """
 
     def __init__(
@@ -433,6 +452,7 @@ class TextDataModule(LightningDataModule):
             val_samples: int | None = 512,
             seed: int = 0,
             split_by: SplitRule = "auto",
+            predict_prompts: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -470,6 +490,8 @@ class TextDataModule(LightningDataModule):
         return self.hparams.tokenizer == BYTE_TOKENIZER
 
     def prepare_data(self) -> None:
+        if self.trainer is not None and self.trainer.state.fn == TrainerFn.PREDICTING:
+            return  # the prompts alone: the corpus need not be on this machine
         self._folders = self._tokenize()
 
     def _tokenize(self) -> list[Path]:
@@ -477,6 +499,8 @@ class TextDataModule(LightningDataModule):
                                 split_by=self.split_by, tokenizer=self.tokenizer) for s in self.sources]
 
     def setup(self, stage: str) -> None:
+        if stage == "predict":  # the prompts alone
+            return
         # In one process prepare_data has just checked the entries; other ranks check them here.
         folders = self._folders or self._tokenize()
         for source, folder in zip(self.sources, folders, strict=True):
@@ -505,6 +529,27 @@ class TextDataModule(LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False,
                           num_workers=self.hparams.num_workers)
 
+    def predict_problem(self) -> str | None:
+        """Why ``moh predict`` cannot run with these settings, in one line; None when it can."""
+        prompts = self.hparams.predict_prompts
+        if prompts is None:
+            return ("no prompts to continue: pass --data.init_args.predict_prompts <file> (a text file, one prompt a "
+                    "line).")
+        path = Path(prompts).expanduser()
+        if not path.is_file():
+            return f"data.init_args.predict_prompts={prompts!r}: no such file; give a text file, one prompt a line."
+        if not path.read_text(encoding="utf-8").strip():
+            return f"data.init_args.predict_prompts={prompts!r}: no prompt in it; write one prompt a line."
+        return None
 
-__all__ = ["BYTE_TOKENIZER", "STDLIB", "EvenChunks", "MixtureSequences", "TextDataModule", "TextSource", "describe",
-           "encode", "exported_tokenizer", "is_validation", "load_tokenizer", "tokenize_source", "tokenizer_identity"]
+    def predict_dataloader(self) -> DataLoader:
+        problem = self.predict_problem()
+        if problem:
+            raise ValueError(problem)
+        prompts = Prompts(Path(self.hparams.predict_prompts).expanduser(), self.tokenizer)
+        return DataLoader(prompts, batch_size=1, num_workers=self.hparams.num_workers)
+
+
+__all__ = ["BYTE_TOKENIZER", "STDLIB", "EvenChunks", "MixtureSequences", "Prompts", "TextDataModule", "TextSource",
+           "describe", "encode", "exported_tokenizer", "is_validation", "load_tokenizer", "tokenize_source",
+           "tokenizer_identity"]

@@ -11,9 +11,11 @@ precision are Trainer settings in the configs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.scheduler import CosineLRScheduler
@@ -21,7 +23,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from moh_lightning.models.transnext import TransNeXtConfig, create_transnext, load_pretrained
-from moh_lightning.models.vit import ViTConfig, create_vit
+from moh_lightning.models.vit import ViTConfig, create_vit, load_vit_weights
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
 
 
@@ -44,9 +46,16 @@ class ImageClassifier(MoHTask):
         compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
         activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
             compute per step.
+        init_from: Weights to start from (``load_vit_weights``): a ``moh fit`` checkpoint of an ``ImageClassifier``
+            with any head budget (routers kept where their shapes fit this budget, else fresh), a timm model name or
+            a weights file (a dense timm ViT, an ``moh export-timm`` folder's file). Loaded when a run starts, with a
+            line saying what was loaded; a run that restores a checkpoint (``--ckpt_path``) ends with its weights.
+            ``arch.pretrained``, its name before every task used ``init_from``, still works, with a warning.
     """
 
     head_load_group_name = "class"
+    #: Classes per image that ``predict_step`` returns (as the top-5 accuracy), fewer when the model has fewer.
+    predict_top_k = 5
 
     def __init__(
             self,
@@ -62,11 +71,14 @@ class ImageClassifier(MoHTask):
             mixup_switch_prob: float = 0.5,
             label_smoothing: float = 0.1,
             load_balance_beta: float = 0.01,
+            init_from: str | None = None,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
     ) -> None:
         super().__init__(load_balance_beta, compile, activation_checkpointing)
         self.save_hyperparameters()
+        self.init_from = init_from
+        self._init_from_loaded = False
         self.model = self.build_model(arch)
         num_classes = self.model.num_classes
         self.mixup = None
@@ -80,10 +92,12 @@ class ImageClassifier(MoHTask):
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
 
-    @staticmethod
-    def build_model(arch: ViTConfig | dict) -> nn.Module:
+    def build_model(self, arch: ViTConfig | dict) -> nn.Module:
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
-        return create_vit(arch if isinstance(arch, ViTConfig) else ViTConfig(**arch))
+        config = arch if isinstance(arch, ViTConfig) else ViTConfig(**arch)
+        # Read as init_from, so the weights load once when a run starts, not whenever a checkpoint is opened.
+        self.init_from = init_from_option(self.init_from, config.pretrained, "arch.pretrained")
+        return create_vit(replace(config, pretrained=None))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -97,6 +111,15 @@ class ImageClassifier(MoHTask):
         if isinstance(data_classes, int) and data_classes != self.model.num_classes:
             raise ValueError(f"model.init_args.arch.num_classes={self.model.num_classes} but the data has "
                              f"{data_classes} classes: set --model.init_args.arch.num_classes={data_classes}.")
+        # A checkpoint the trainer restores is loaded after this hook, over these weights.
+        if self.init_from and not self._init_from_loaded and self.trainer.ckpt_path is None:
+            loaded = self.load_init_from(self.init_from)
+            self._init_from_loaded = True
+            rank_zero_info(f"moh: model.init_args.init_from={self.init_from}: {loaded}.")
+
+    def load_init_from(self, source: str) -> str:
+        """Loads the weights ``source`` into the network; what was loaded, in words (``load_vit_weights``)."""
+        return load_vit_weights(self.model, source)
 
     def head_load_groups(self, batch) -> torch.Tensor:
         """The class of each image, for the per-class head-load views."""
@@ -127,9 +150,13 @@ class ImageClassifier(MoHTask):
         self.log(f"{stage}/acc1", self.val_top1, prog_bar=True)
         self.log(f"{stage}/acc5", self.val_top5)
 
-    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(images).softmax(-1)
+    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """The most probable classes of each image of a batch of (images, their indices in the predict set): the
+        ``predict_top_k`` class indices (B, k), most probable first, their probabilities (B, k) and the indices."""
+        images, index = batch
+        probs = self(images).softmax(-1)
+        top = probs.topk(min(self.predict_top_k, probs.shape[-1]), dim=-1)
+        return {"index": index, "classes": top.indices, "probs": top.values}
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -159,26 +186,22 @@ class TransNeXtClassifier(ImageClassifier):
         arch: The TransNeXt architecture and its per-stage head budgets (``arch.moh``).
         init_from: Weights to start from: a file or a hub id (``owner/name``, or ``owner/name:file``) in the suite's
             layout or the authors' (SkyworkAI/MoH's MoH-ViT and TransNeXt's checkpoints); every tensor must fit.
-            Loaded when a run starts unless it resumes a checkpoint (``--ckpt_path``), whose weights win.
+            Loaded when a run starts, as ``ImageClassifier``'s.
         pretrained: ``init_from``'s name before the release that gave every task one name; warns.
         **kwargs: ``ImageClassifier``'s arguments.
     """
 
     def __init__(self, arch: TransNeXtConfig, init_from: str | None = None, pretrained: str | None = None,
                  **kwargs) -> None:
-        super().__init__(arch, **kwargs)
-        self.init_from = init_from_option(init_from, pretrained, "pretrained")
-        self._pretrained_loaded = False
+        super().__init__(arch, init_from=init_from_option(init_from, pretrained, "pretrained"), **kwargs)
 
     @staticmethod
     def build_model(arch: TransNeXtConfig | dict) -> nn.Module:
         return create_transnext(arch if isinstance(arch, TransNeXtConfig) else TransNeXtConfig(**arch))
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if self.init_from and not self._pretrained_loaded and self.trainer.ckpt_path is None:
-            load_pretrained(self.model, self.init_from)
-            self._pretrained_loaded = True
+    def load_init_from(self, source: str) -> str:
+        load_pretrained(self.model, source)
+        return "every weight loaded"
 
     def parameter_groups(self, weight_decay: float) -> list[dict]:
         """TransNeXt's rule: every weight of more than one dimension decays (its learnable tokens and bias too),

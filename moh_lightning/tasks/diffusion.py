@@ -137,6 +137,11 @@ class ClassConditionalDiffusion(MoHTask):
         """The conditioning class of every sample, for the per-class head-load views."""
         return batch[1]
 
+    def predict_problem(self) -> str:
+        """Why ``moh predict`` does not apply: a diffusion model draws samples of classes, which ``moh sample`` does."""
+        return ("a ClassConditionalDiffusion model draws samples rather than predicting: use moh sample --checkpoint "
+                "<ckpt> --classes '[0, 1]' --out_dir samples.")
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.hparams.lr,
                                       weight_decay=self.hparams.weight_decay)

@@ -46,6 +46,13 @@ class LanguageModel(MoHTask):
         activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
             compute per step.
         init_from_hf: ``init_from``'s name before the release that gave every task one name; warns.
+        max_new_tokens: ``moh predict``: tokens to generate after each prompt (fewer at EOS or a full context).
+        temperature: ``moh predict``: softmax temperature of the sampler; 0 is greedy decoding.
+        top_k_tokens: ``moh predict``: sample among the k most likely tokens; None for all.
+        top_p: ``moh predict``: nucleus sampling mass; 1.0 turns it off.
+
+    The four generation settings say how one ``moh predict`` decodes, not what the model is: they are not saved with
+    the checkpoint, whose hyper-parameters LightningCLI would otherwise put over the command line's.
     """
 
     head_load_group_name = "source"
@@ -63,6 +70,10 @@ class LanguageModel(MoHTask):
             betas: tuple[float, float] = (0.9, 0.95),
             load_balance_beta: float | None = None,
             init_from_hf: str | None = None,
+            max_new_tokens: int = 200,
+            temperature: float = 0.8,
+            top_k_tokens: int | None = 50,
+            top_p: float = 1.0,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
     ) -> None:
@@ -74,7 +85,9 @@ class LanguageModel(MoHTask):
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
         if not 0 <= min_lr <= lr:
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
-        self.save_hyperparameters()
+        self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
+                           "top_p": top_p}
+        self.save_hyperparameters(ignore=list(self.generation))  # not saved: see the class's docstring
         self.init_from = init_from_option(init_from, init_from_hf, "init_from_hf")
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.config = config
@@ -136,6 +149,23 @@ class LanguageModel(MoHTask):
         if getattr(self.trainer.datamodule, "is_byte_level", False):
             self.log("val/bpb", loss / math.log(2), sync_dist=True)
         self.log("val/tokens", float(self.tokens_seen))
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
+        """Continues one prompt (a batch of one: prompts differ in length) with the generation settings above, as
+        ``moh generate --seed 0`` continues it; the completion's text, and the prompt's index."""
+        completions = self.complete(batch["tokens"][0].tolist(), self.trainer.datamodule.tokenizer, seed=0,
+                                    **self.generation)
+        return {"index": batch["index"], "completions": completions}
+
+    @torch.no_grad()
+    def complete(self, prompt_ids: list[int], tokenizer, max_new_tokens: int, temperature: float,
+                 top_k_tokens: int | None, top_p: float, seed: int, num_samples: int = 1) -> list[str]:
+        """``num_samples`` continuations of a prompt's token ids, decoded through the KV cache until the tokenizer's
+        EOS: the text after the prompt, special tokens dropped."""
+        idx = torch.tensor([prompt_ids] * num_samples, device=self.device)
+        out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k_tokens=top_k_tokens,
+                                  top_p=top_p, eos_id=tokenizer.eos_token_id, seed=seed)
+        return [tokenizer.decode(row[len(prompt_ids):].tolist(), skip_special_tokens=True) for row in out]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen

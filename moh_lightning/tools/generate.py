@@ -1,8 +1,6 @@
 """``moh generate``: continue a prompt with a trained MoH language model."""
 from __future__ import annotations
 
-import torch
-
 from moh_lightning.data.text import load_tokenizer
 from moh_lightning.tasks.checkpoints import load_language_model
 
@@ -39,10 +37,7 @@ def generate(
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("--prompt is empty after tokenisation: give some text to continue.")
-    idx = torch.tensor([ids] * num_samples)
-    out = task.model.generate(idx, max_new_tokens, temperature=temperature, top_k_tokens=top_k_tokens, top_p=top_p,
-                              eos_id=tok.eos_token_id, seed=seed)
-    texts = [tok.decode(row[len(ids):].tolist(), skip_special_tokens=True) for row in out]
+    texts = task.complete(ids, tok, max_new_tokens, temperature, top_k_tokens, top_p, seed, num_samples)
     for text in texts:
         print(prompt + text)
         print("-" * 40)

@@ -74,7 +74,7 @@ def _task_hparams(task: dict) -> dict:
 
 
 # Callbacks added to every run since the snapshot; they write or print, and change no training.
-ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor"}
+ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor", "PredictionWriter"}
 # Lightning's Rich progress bar became the suite's, which labels unlimited epochs ("Epoch 0", not "Epoch 0/-2").
 RENAMED_CALLBACKS = {"MoHRichProgressBar": "RichProgressBar"}
 

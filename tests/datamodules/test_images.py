@@ -29,7 +29,7 @@ def test_folder_defaults_stay_the_imagenet_recipe(tmp_path, write_image_folder):
     dm = ImageFolderDataModule(str(tmp_path), img_size=32, num_workers=0)
     assert set(dm.hparams) == {"data_dir", "img_size", "batch_size", "num_workers", "auto_augment", "re_prob",
                                "crop_pct", "interpolation", "on_corrupt", "crop_scale", "hflip", "mean", "std",
-                               "in_chans", "device_augment"}
+                               "in_chans", "predict_dir", "device_augment"}
     dm.setup("fit")
     (crop,) = _parts(dm.train_set.transform, RandomResizedCropAndInterpolation)
     assert crop.scale == (0.08, 1.0)

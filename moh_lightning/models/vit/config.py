@@ -17,11 +17,12 @@ class ViTConfig:
     """Architecture of a (MoH) ViT: timm's ``VisionTransformer`` arguments and the MoH head budget.
 
     Defaults are ViT-S/16 at 224 pixels for ImageNet-1k. ``head_dim`` is the width of one head
-    (``embed_dim // num_heads`` when None). ``pretrained`` starts the MoH-ViT from dense timm ViT weights: a timm
-    model name (downloaded through timm, e.g. ``vit_small_patch16_224.augreg_in21k_ft_in1k``) or a local file
-    (``.safetensors`` or a ``torch.save``'d state dict, timm's names). Every weight but the routers (fresh) must
-    fit; the classifier head is left fresh when ``num_classes`` differs, the position embedding is resampled to
-    another grid and the patch embedding adapted to ``in_chans`` as timm does.
+    (``embed_dim // num_heads`` when None). ``pretrained`` starts the network ``create_vit`` builds from weights: a
+    timm model name (downloaded through timm, e.g. ``vit_small_patch16_224.augreg_in21k_ft_in1k``), a local file
+    (``.safetensors`` or a ``torch.save``'d state dict, timm's names) or a ``moh fit`` checkpoint, any head budget
+    (``load_vit_weights``: routers kept where their shapes fit, else fresh; the classifier head fresh when
+    ``num_classes`` differs; the position embedding resampled to another grid and the patch embedding adapted to
+    ``in_chans`` as timm does). ``ImageClassifier`` takes it as ``init_from``, its name in every task.
     """
 
     img_size: int = 224

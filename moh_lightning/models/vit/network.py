@@ -15,7 +15,7 @@ from torch import nn
 from moh_lightning.layers import MoHAttention
 from moh_lightning.layers.moh_config import attention_layers
 from moh_lightning.models.vit.config import ViTConfig
-from moh_lightning.models.vit.weights import load_dense_timm_weights
+from moh_lightning.models.vit.weights import load_vit_weights
 
 
 def create_vit(config: ViTConfig) -> VisionTransformer:
@@ -32,7 +32,7 @@ def create_vit(config: ViTConfig) -> VisionTransformer:
     )
     assert all(isinstance(block.attn, MoHAttention) for block in model.blocks)
     if config.pretrained:
-        load_dense_timm_weights(model, config.pretrained)
+        load_vit_weights(model, config.pretrained, key="arch.pretrained")
     return model
 
 

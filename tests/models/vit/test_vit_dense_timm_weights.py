@@ -49,7 +49,7 @@ def test_dense_weights_load_with_fresh_routers(dense_file, tmp_path):
 
 def test_weights_that_do_not_fit_stop_in_one_line(dense_file, tmp_path):
     _, path = dense_file
-    with pytest.raises(ValueError, match="do not fit this ViTConfig") as error:
+    with pytest.raises(ValueError, match="does not fit this model") as error:
         create_vit(_config(path, embed_dim=32))
     assert "\n" not in str(error.value)
     with pytest.raises(FileNotFoundError, match="no such file"):
