@@ -45,6 +45,7 @@ from moh_lightning.configs import expand_config
 from moh_lightning.errors import UsageError
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
+from moh_lightning.tasks.base import MoHTask
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -307,6 +308,8 @@ class MoHLightningCLI(LightningCLI):
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
             raise SystemExit(f"moh: {one_line_error(str(error))}") from None
         one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
+        if self.subcommand and isinstance(self.model, MoHTask):
+            self.model.restores_checkpoint = bool(self.config[self.subcommand].get("ckpt_path"))
 
 
 def one_thread_per_forked_cpu_process(trainer) -> None:

@@ -74,6 +74,9 @@ class MoHTask(LightningModule):
     head_load_group_name: str = "group"
     #: Keyword arguments of ``torch.compile`` when ``compile`` is on, e.g. ``{"mode": "max-autotune"}``.
     compile_kwargs: dict = {}
+    #: Set by ``moh`` when this run restores a checkpoint (``--ckpt_path``): its weights replace ``init_from``'s, so
+    #: ``init_from`` is not read (Lightning knows the checkpoint only after the setup hooks, where tasks load it).
+    restores_checkpoint: bool = False
 
     def __init__(self, load_balance_beta: float = 0.01, compile: bool | Literal["auto"] = "auto",
                  activation_checkpointing: bool = False) -> None:

@@ -112,7 +112,7 @@ class ImageClassifier(MoHTask):
             raise ValueError(f"model.init_args.arch.num_classes={self.model.num_classes} but the data has "
                              f"{data_classes} classes: set --model.init_args.arch.num_classes={data_classes}.")
         # A checkpoint the trainer restores is loaded after this hook, over these weights.
-        if self.init_from and not self._init_from_loaded and self.trainer.ckpt_path is None:
+        if self.init_from and not self._init_from_loaded and not self.restores_checkpoint:
             loaded = self.load_init_from(self.init_from)
             self._init_from_loaded = True
             rank_zero_info(f"moh: model.init_args.init_from={self.init_from}: {loaded}.")

@@ -112,7 +112,7 @@ class LanguageModel(MoHTask):
             # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and evaluation
             # restore the trained ones.
             fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-            if self.init_from and fitting and self.trainer.ckpt_path is None:
+            if self.init_from and fitting and not self.restores_checkpoint:
                 from moh_lightning.models.llama import load_hf_weights
 
                 load_hf_weights(model, self.init_from)

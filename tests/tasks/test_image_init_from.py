@@ -107,3 +107,15 @@ def test_a_new_run_from_a_colleagues_checkpoint_starts_at_its_accuracy(run_dir, 
     other_budget = ["--model.init_args.arch.moh.num_shared_heads=1", "--model.init_args.arch.moh.top_k=2"]
     MoHLightningCLI(args=[*args, *other_budget, f"--model.init_args.init_from={theirs}"])
     assert "routers fresh (another head budget)" in caplog.text
+
+
+def test_a_run_restoring_its_checkpoint_does_not_read_init_from(run_dir, caplog):
+    """init_from is where a fresh run starts; a run that restores a checkpoint needs it no more (it may be gone)."""
+    _checkpoint(run_dir / "start.ckpt", seed=0)
+    restored = _checkpoint(run_dir / "resume.ckpt", seed=1).state_dict()
+    args = ["validate", "--config", "vit_tiny_mnist_75.yaml", *TINY_ARGS, *VALIDATE,
+            "--model.init_args.init_from=start.ckpt"]
+    (run_dir / "start.ckpt").unlink()
+    cli = MoHLightningCLI(args=[*args, "--ckpt_path=resume.ckpt"])
+    assert _equal(cli.model.model.state_dict(), restored, lambda name: True)
+    assert "init_from=start.ckpt" not in caplog.text
