@@ -120,15 +120,18 @@ def plot(path: Path, trials: list[TrialResult], labels: list[str], metric: str, 
     ax = fig.add_subplot()
     rng = np.random.default_rng(0)
     summary = cell_stats(trials, len(labels), metric, baseline)
+    labelled: set[str] = set()  # one legend entry per colour: the dots' colour tells the baseline cell apart
     for c, s in enumerate(summary):
         vals = [t.metrics[metric] for t in trials if t.cell == c and t.status == STATUS_FINISHED
                 and metric in t.metrics and math.isfinite(t.metrics[metric])]
-        color = "tab:orange" if c == baseline else "tab:blue"
+        kind = "one seed, baseline cell" if c == baseline else "one seed, other cells"
         if vals:
-            ax.scatter(c + rng.uniform(-0.12, 0.12, len(vals)), vals, s=22, color=color, alpha=0.75, zorder=2,
-                       label="seed" if c == 0 else None)
+            ax.scatter(c + rng.uniform(-0.12, 0.12, len(vals)), vals, s=22, alpha=0.75, zorder=2,
+                       color="tab:orange" if c == baseline else "tab:blue",
+                       label=None if kind in labelled else kind)
             ax.errorbar(c + 0.25, s.mean, yerr=0 if math.isnan(s.std) else s.std, fmt="D", color="black",
-                        capsize=5, markersize=5, zorder=3, label="mean ± std" if c == 0 else None)
+                        capsize=5, markersize=5, zorder=3, label=None if labelled else "mean ± std")
+            labelled.add(kind)
         else:
             ax.annotate("no result", (c, 0.5), xycoords=("data", "axes fraction"), ha="center", color="gray")
     ax.set_xticks(range(len(labels)), [lab + ("\n(baseline)" if c == baseline else "")
@@ -142,6 +145,26 @@ def plot(path: Path, trials: list[TrialResult], labels: list[str], metric: str, 
     if any(t.status == STATUS_FINISHED for t in trials):
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
+
+
+def verdict(stats: list[Stat], labels: list[str], baseline: int, metric: str, mode: str) -> list[str]:
+    """Each cell against the baseline in words: better or worse by how much, or within the seeds' spread."""
+    lines = ["**In words** (Welch's t-test at the 5% level):", ""]
+    for c, s in enumerate(stats):
+        if c == baseline:
+            continue
+        if math.isnan(s.p):
+            lines.append(f"- {labels[c]}: not compared (fewer than 2 finished seeds on a side).")
+        elif s.p >= 0.05:
+            lines.append(f"- {labels[c]}: {metric} {s.diff:+.3g} against {labels[baseline]}, within the seeds' spread "
+                         f"(p = {s.p:.2f}; the 95% interval [{s.ci_low:+.3g}, {s.ci_high:+.3g}] includes 0): no "
+                         f"difference shown with these seeds.")
+        else:
+            better = (s.diff < 0) == (mode == "min")
+            lines.append(f"- {labels[c]}: {'better' if better else 'worse'} than {labels[baseline]} by "
+                         f"{abs(s.diff):.3g} {metric} (p = {s.p:.2g}; 95% interval [{s.ci_low:+.3g}, "
+                         f"{s.ci_high:+.3g}]).")
+    return lines
 
 
 def write_report(out: Path, trials: list[TrialResult], cells: list[dict[str, Any]], seeds: list[int],
@@ -215,7 +238,7 @@ def write_report(out: Path, trials: list[TrialResult], cells: list[dict[str, Any
             ci = f" [{s.ci_low:+.3g}, {s.ci_high:+.3g}]" if not math.isnan(s.ci_low) else ""
             diff, p = f"{s.diff:+.3g}{ci}", (_num(s.p, ".3g") or "n/a")
         lines.append("| " + " | ".join(values + [str(s.n), mean, diff, p]) + " |")
-    lines += ["", f"![{metric} per cell]({paths['plot'].name})", ""]
+    lines += ["", *verdict(main, labels, baseline, metric, mode), "", f"![{metric} per cell]({paths['plot'].name})", ""]
     others = [m for m in metrics if m != metric and any(summary[m][c].n for c in range(len(cells)))]
     if others:
         lines += ["## All logged metrics: mean ± std (n)", "",

@@ -211,3 +211,17 @@ def test_named_grid_values_label_trials_and_rows_but_override_with_their_values(
     assert trial_names(shown, [0])[1, 0] == "moh=75_-lr=0.001-seed=0"
     assert _baseline_index(cells, shown, {"model.init_args.arch.moh": "75%"}) == 1
     assert _baseline_index(cells, shown, {"model.init_args.arch.moh": moh75}) == 1
+
+
+def test_the_report_says_in_words_what_differs_and_what_is_within_noise(tmp_path: Path) -> None:
+    from moh_lightning.sweep_report import write_report
+
+    values = {0: [0.70, 0.72, 0.71], 1: [0.71, 0.69, 0.73], 2: [0.80, 0.81, 0.82]}  # same as baseline; clearly better
+    trials = [TrialResult(f"c{cell}-s{seed}", cell, seed, STATUS_FINISHED, {"val/acc1": v})
+              for cell, vs in values.items() for seed, v in enumerate(vs)]
+    cells = [{"model.init_args.arch.moh": name} for name in ("dense", "moh-75", "moh-50")]
+    write_report(tmp_path, trials, cells, [0, 1, 2], "val/acc1", "max", 0, "test")
+    text = (tmp_path / "results.md").read_text()
+    assert "- moh=moh-75: val/acc1 +0 against moh=dense, within the seeds' spread (p = 1.00" in text
+    assert "no difference shown with these seeds" in text
+    assert "- moh=moh-50: better than moh=dense by 0.1 val/acc1 (p = " in text
