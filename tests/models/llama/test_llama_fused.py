@@ -43,7 +43,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _config(**overrides) -> LlamaConfig:
     args = dict(vocab_size=301, depth=2, embed_dim=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                block_size=32, moh={"num_shared_heads": 1, "top_k": 2})
+                block_size=80, moh={"num_shared_heads": 1, "top_k": 2})
     return LlamaConfig(**{**args, **overrides})
 
 
@@ -170,6 +170,31 @@ def test_decoder_loss_and_gradients(dtype, overrides):
         _close(a.grad, b.grad, dtype)
     with torch.no_grad():
         _close(ours(tokens), ref(tokens), dtype)
+
+
+@needs_kernels
+def test_fused_loss_never_holds_the_logits():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestLogits(TorchDispatchMode):
+        """The most elements of any new tensor (not a view) whose last dimension is the vocabulary (301)."""
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in (*args, *(kwargs or {}).values())
+                      if isinstance(t, torch.Tensor)}
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if (isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == 301
+                        and tensor.untyped_storage().data_ptr() not in inputs):
+                    self.largest = max(self.largest, tensor.numel())
+            return out
+
+    _, ours = _pair(torch.float32)
+    tokens = torch.randint(0, 301, (2, 65), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with LargestLogits() as seen:
+        ours(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+    assert 0 < seen.largest <= 2 * 64 * 301 // 4  # chunks of at most a quarter of the tokens' logits
 
 
 @needs_kernels
