@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from moh_lightning.errors import MissingExtraError
+
 INSTALL = "pip install 'moh-lightning[gpu]'"
 
 
@@ -58,7 +60,7 @@ def fused_kernels_ready(setting: bool | str) -> bool:
     if _liger() is not None:
         return True
     if setting is True:
-        raise ImportError(f"fused_kernels=true needs liger-kernel, which is not installed: {INSTALL}")
+        raise MissingExtraError(f"fused_kernels=true needs liger-kernel, which is not installed: {INSTALL}")
     if torch.cuda.is_available():
         _say_auto_is_off()
     return False
