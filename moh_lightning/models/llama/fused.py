@@ -88,9 +88,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``network.apply_rope`` of queries (B, h, T, d) and keys (B, h_kv, T, d) in one kernel, for T > 1.
 
-    The kernel takes the row stride of its (B, T, h, d) layout from the token dimension, whose stride means nothing
-    for one token (it rotates a batch of one-token rows with the wrong rows). It rotates in place where q and k are
-    laid out (B, T, h, d) already, and copies them otherwise: the attention block's q and k, views of its qkv
+    The kernel takes the row stride of its (B, T, h, d) layout from the token dimension, whose stride is any number
+    for one token: a batch of one-token rows would be read from the wrong places. It rotates in place where q and k
+    are laid out (B, T, h, d) already, and copies them otherwise: the attention block's q and k, views of its qkv
     projection, are copied.
     """
     # The tables in the activations' dtype, as apply_rope rotates.
