@@ -18,4 +18,8 @@ class BadValueError(UsageError, ValueError):
     """A config value that cannot work (a budget, a shape, a split rule)."""
 
 
-__all__ = ["BadValueError", "MissingDataError", "UsageError"]
+class MissingExtraError(UsageError, ImportError):
+    """A config asks for what an optional extra of the package installs (``pip install 'moh-lightning[gpu]'``)."""
+
+
+__all__ = ["BadValueError", "MissingDataError", "MissingExtraError", "UsageError"]

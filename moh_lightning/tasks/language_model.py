@@ -13,7 +13,6 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
@@ -125,8 +124,8 @@ class LanguageModel(MoHTask):
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = batch["tokens"]
-        logits = self.model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        # The model takes the targets so that, with its fused kernels, it never forms the (B, T, V) logits.
+        return self.model(tokens[:, :-1], targets=tokens[:, 1:])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         lm_loss = self._loss(batch)

@@ -6,6 +6,7 @@ conversion read and write it without building anything.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 from moh_lightning.serialization import checkpoint_type
@@ -20,6 +21,9 @@ class LlamaConfig:
     remaining routed heads are picked per token; ``moh: null`` is plain multi-head attention (the baseline) and
     ``moh.router: query_norm`` the parameter-free router for continue-tuning a pretrained model (section 4.4).
     ``head_dim`` is ``embed_dim // num_heads`` and ``num_kv_heads`` is ``num_heads`` when None.
+    ``fused_kernels``: liger-kernel's RMSNorm, SwiGLU, RoPE and linear cross-entropy in place of torch's ops (same
+    parameters and results): ``auto`` on CUDA when liger-kernel is installed (``pip install 'moh-lightning[gpu]'``),
+    ``true`` always (an error without liger-kernel), ``false`` never (see ``models.llama.fused``).
     """
 
     vocab_size: int = 65536
@@ -34,9 +38,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moh: MoHConfig | None = field(default_factory=lambda: MoHConfig(num_shared_heads=6, top_k=3))
+    fused_kernels: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         self.moh = as_moh_config(self.moh)
+        if not isinstance(self.fused_kernels, bool) and self.fused_kernels != "auto":
+            raise ValueError(f"fused_kernels={self.fused_kernels!r}: choose auto, true or false.")
         if self.head_dim is None:
             if self.embed_dim % self.num_heads:
                 raise ValueError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}: set "

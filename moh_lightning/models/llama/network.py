@@ -3,6 +3,8 @@
 RMSNorm, rotary position embedding (LLaMA / Hugging Face "rotate half" layout, so converted LLaMA weights
 need no permutation), SwiGLU MLP, optional grouped-query attention and tied embeddings. The routing,
 load-balance loss and KV cache are the shared attention block's; this file only arranges the decoder.
+``config.fused_kernels`` swaps liger-kernel's kernels in for RMSNorm, SwiGLU, RoPE and the loss (``fused``) on CUDA,
+with the same parameters under the same names.
 The named models (Tab. A's LLM-S / LLM-B at 100 / 75 / 50% activated heads, the CPU default) are the shipped
 configs in ``cli_configs/``.
 """
@@ -14,6 +16,7 @@ from torch import nn
 
 from moh_lightning.layers import KVCache, MoHAttention
 from moh_lightning.layers.moh_config import attention_layers
+from moh_lightning.models.llama import fused as fused_ops
 from moh_lightning.models.llama.config import LlamaConfig
 
 
@@ -42,6 +45,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm, or with ``fused`` liger-kernel's kernel of the same arithmetic."""
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return fused_ops.rms_norm(x, self.weight, self.eps) if fused else super().forward(x)
+
+
 class SwiGLU(nn.Module):
     """LLaMA's gated MLP: ``down(silu(gate(x)) * up(x))``."""
 
@@ -51,8 +61,9 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused_ops.silu_mul(gate, up) if fused else F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -60,30 +71,39 @@ class Block(nn.Module):
 
     def __init__(self, config: LlamaConfig, moh: dict) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps)
         self.attn = MoHAttention(config.embed_dim, config.num_heads, attn_head_dim=config.head_dim, qkv_bias=False,
                                  proj_bias=False, num_kv_heads=config.num_kv_heads, causal=True, **moh)
-        self.mlp_norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps)
         self.mlp = SwiGLU(config.embed_dim, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, fused: bool = False) -> torch.Tensor:
+        """``fused``: liger-kernel's kernels where this block runs eagerly (see ``fused``)."""
         cos, sin = rope
-        x = x + self.attn(self.attn_norm(x), kv_cache=kv_cache,
-                          position_embedding=lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
-        return x + self.mlp(self.mlp_norm(x))
+        fused = fused_ops.eager(fused)
+
+        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # One token (decoding) is rotated by torch: liger's kernel mistakes the rows of a one-token batch.
+            if fused and q.shape[2] > 1:
+                return fused_ops.rope(q, k, cos, sin)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        x = x + self.attn(self.attn_norm(x, fused), kv_cache=kv_cache, position_embedding=rotate)
+        return x + self.mlp(self.mlp_norm(x, fused), fused)
 
 
 class MoHLlama(nn.Module):
-    """Causal decoder LM: token ids (B, T) to next-token logits (B, T, vocab)."""
+    """Causal decoder LM: token ids (B, T) to next-token logits (B, T, vocab), or to the loss against targets."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
+        self._fused_kernels_ready = fused_ops.fused_kernels_ready(config.fused_kernels)
         self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
         layers = attention_layers(config.moh, config.num_heads, config.depth)
         self.blocks = nn.ModuleList(Block(config, moh) for moh in layers)
-        self.norm = nn.RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.embed_dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -103,18 +123,34 @@ class MoHLlama(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
-        """Logits for ``idx`` (B, T); with ``kv_caches`` the tokens continue the cached ones."""
+    def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``idx`` (B, T); with ``kv_caches`` the tokens continue the cached ones.
+
+        With ``targets`` (B, T), the mean cross-entropy of the logits (in float32) against them instead: the fused
+        path computes it without ever holding the (B, T, V) logits.
+        """
         start = kv_caches[0].length if kv_caches is not None else 0
         length = idx.shape[1]
         if start + length > self.config.block_size:
             raise ValueError(f"sequence of {start + length} tokens exceeds block_size={self.config.block_size}: "
                              f"shorten the prompt / max_new_tokens or raise block_size.")
         rope = self.rope(start, length)
+        fused = self.uses_fused_kernels(idx.device)
         x = self.embed(idx)                                                             # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, kv_caches[i] if kv_caches is not None else None)
-        return self.lm_head(self.norm(x))                                              # (B, T, V)
+            x = block(x, rope, kv_caches[i] if kv_caches is not None else None, fused=fused)
+        x = self.norm(x, fused_ops.eager(fused))
+        if targets is not None and fused:
+            return fused_ops.linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        logits = self.lm_head(x)                                                        # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def uses_fused_kernels(self, device: torch.device) -> bool:
+        """Whether a forward on ``device`` runs liger-kernel's kernels (``config.fused_kernels``)."""
+        return self._fused_kernels_ready and (device.type == "cuda" or self.config.fused_kernels is True)
 
     def init_kv_caches(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty ``KVCache`` per layer, on the model's device and dtype."""
@@ -176,4 +212,4 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k_tokens: int | N
     return torch.multinomial(probs, 1, generator=generator)
 
 
-__all__ = ["Block", "MoHLlama", "RotaryEmbedding", "SwiGLU", "apply_rope", "sample"]
+__all__ = ["Block", "MoHLlama", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rope", "sample"]
