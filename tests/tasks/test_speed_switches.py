@@ -220,3 +220,23 @@ def test_compile_auto_compiles_each_block_on_cuda_and_nothing_on_the_cpu(monkeyp
     assert getattr(task.model, "_compiled_call_impl", None) is None  # regional: the blocks, not the whole model
     with pytest.raises(ValueError, match="compile='always'"):
         _TinyTask(compile="always")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+@pytest.mark.parametrize("config", ["vit_tiny_mnist_75", "dit_mnist_75", "llm_stdlib_75"])
+def test_every_tasks_block_compiles_on_cuda_without_a_graph_break(config):
+    """What compile auto compiles on CUDA, one block in its default execution, traces whole (the CPU models' trace is
+    test_cpu_default_models_trace_without_graph_breaks)."""
+    from moh_lightning.tools.bench.model_step import model_step_parts
+
+    model, inputs, _ = model_step_parts(config, 2, torch.device("cuda"), 32)
+    block, captured = model.blocks[0], {}
+    hook = block.register_forward_pre_hook(lambda m, args, kwargs: captured.setdefault("in", (args, kwargs)),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        model(*inputs)
+    hook.remove()
+    torch._dynamo.reset()
+    args, kwargs = captured["in"]
+    explanation = torch._dynamo.explain(block)(*args, **kwargs)
+    assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
