@@ -51,7 +51,8 @@ def save_family(family: str, folder: Path, seed: int = 0) -> Path:
 
     config_name, kwargs = FAMILIES[family]
     tokenizer = train_tokenizer(folder)
-    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    # A few spare rows, as pretrained models have: transformers' family tokenizer classes may add a token of their own.
+    config = getattr(transformers, config_name)(vocab_size=len(tokenizer) + 20, bos_token_id=tokenizer.bos_token_id,
                                                 eos_token_id=tokenizer.eos_token_id, **{**_SHARED, **kwargs})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -23,7 +23,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moh_lightning.configs import config_dir
-from moh_lightning.models.llama import MoHLlama
 
 PAPER_TASKS = ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc2", "lambada_openai",
                "arc_easy", "boolq"]
@@ -34,10 +33,10 @@ class _HarnessView(nn.Module):
     """What ``HFLM`` reads from a pre-built model: ``config``, ``device``, ``tie_weights``; logits come from
     ``MoHLM._model_call``."""
 
-    def __init__(self, model: MoHLlama) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.net = model
-        self.config = PretrainedConfig(max_position_embeddings=model.config.block_size)
+        self.config = PretrainedConfig(max_position_embeddings=model.block_size)
 
     @property
     def device(self) -> torch.device:
@@ -73,7 +72,7 @@ class MoHLM(HFLM):
         # the byte tokenizer would otherwise append EOS to every context and continuation.
         kwargs.setdefault("add_bos_token", False)
         super().__init__(pretrained=_HarnessView(self.net), tokenizer=load_tokenizer(name), backend="causal",
-                         batch_size=batch_size, max_length=max_length or self.net.config.block_size, **kwargs)
+                         batch_size=batch_size, max_length=max_length or self.net.block_size, **kwargs)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         # Requests are right-padded, so the causal logits of the real tokens do not see the padding.
@@ -236,15 +235,16 @@ def _without_stderr(function):
 
 
 def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
-    """Whether ``transformers`` may run ``folder``'s Python files: yes when every one is the modelling file that
-    ``moh export-hf`` writes, byte for byte, or when the user said so; none there needs no trust.
+    """Whether ``transformers`` may run ``folder``'s Python files: yes when every one is a modelling file that
+    ``moh export-hf`` / ``convert-hf`` writes, byte for byte, or when the user said so; none there needs no trust.
 
     Other code stops in one line naming the file, since loading the folder would run it.
     """
+    from moh_lightning.models.hf_causal import hf_moh
     from moh_lightning.models.llama import hf_moh_llama
 
-    ours = Path(hf_moh_llama.__file__).read_bytes()
-    foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() != ours)
+    ours = {Path(module.__file__).read_bytes() for module in (hf_moh_llama, hf_moh)}
+    foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() not in ours)
     if foreign and not trust_remote_code:
         raise SystemExit(f"moh lm-eval: --hf_folder {folder}: its modelling code {', '.join(foreign)} is not the file "
                          f"`moh export-hf` writes, and loading the folder would run it; read it, then pass "

@@ -93,7 +93,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, hf: nn.Module) -> None:
         super().__init__()
-        self.hf = hf
+        self.hf = hf.train()  # from_pretrained returns it in eval mode; a new module trains until told
         self.block_size = int(getattr(hf.config, "max_position_embeddings", None) or 2048)
 
     @property
@@ -118,7 +118,7 @@ class HFCausalLM(nn.Module):
         if seed is not None:
             generator.manual_seed(seed)
         out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
-        logits = self.hf(input_ids=idx, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = self.hf(input_ids=idx, cache=cache, use_cache=True).logits[:, -1]
         for _ in range(total - length):
             token = sample(logits, temperature, top_k_tokens, top_p, generator)                 # (B, 1)
             if eos_id is not None:
@@ -127,7 +127,7 @@ class HFCausalLM(nn.Module):
             out = torch.cat([out, token], dim=1)
             if done.all() or out.shape[1] == total:
                 break
-            logits = self.hf(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = self.hf(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
         return out
 
 
