@@ -10,7 +10,6 @@ from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     HFCausalLM,
     build_hf_causal,
-    default_budget,
     export_hf_causal,
     family_config,
     read_source_config,
@@ -47,11 +46,10 @@ def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k
                          f"the source's).")
     with one_line_errors("convert-hf"):
         config = read_source_config(source)
-        heads = family_config(config).num_attention_heads
+        heads = getattr(family_config(config), "num_attention_heads", None) or 0
         shared = heads // 2 if num_shared_heads is None else num_shared_heads
-        kept = default_budget(heads)[1] if top_k is None and num_shared_heads is None else top_k
-        if kept is None:
-            kept = max(1, (heads - shared) // 2) if heads > shared else 0
+        kept = max(1, (heads - shared) // 2) if heads > shared else 0
+        kept = kept if top_k is None else top_k
         moh = MoHConfig(num_shared_heads=shared, top_k=kept, router="query_norm", router_dtype=router_dtype)
         model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
     try:

@@ -60,7 +60,7 @@ class MoHLM(HFLM):
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 1,
                  max_length: int | None = None, device: str = "cpu", **kwargs) -> None:
-        from moh_lightning.data.text import load_tokenizer
+        from moh_lightning.data.text import exported_tokenizer
         from moh_lightning.tasks.checkpoints import load_language_model
 
         task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")
@@ -68,10 +68,9 @@ class MoHLM(HFLM):
         if name is None:
             raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
         self.net = task.model.to(device).eval()
-        # Training sequences are documents joined by EOS with no BOS (data.text), so neither is added here;
-        # the byte tokenizer would otherwise append EOS to every context and continuation.
-        kwargs.setdefault("add_bos_token", False)
-        super().__init__(pretrained=_HarnessView(self.net), tokenizer=load_tokenizer(name), backend="causal",
+        # The tokenizer `moh export-hf` writes beside the weights, so that the checkpoint and its export score the same
+        # under one policy (``lm_eval``'s ``add_bos_token``): a plain call encodes as training did, no BOS or EOS.
+        super().__init__(pretrained=_HarnessView(self.net), tokenizer=exported_tokenizer(name), backend="causal",
                          batch_size=batch_size, max_length=max_length or self.net.block_size, **kwargs)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
@@ -112,6 +111,7 @@ def lm_eval(
         add_bos_token: bool | None = None,
         output: str | None = None,
         trust_remote_code: bool = False,
+        dtype: str | None = None,
 ) -> dict:
     """Evaluates a MoH language model with lm-evaluation-harness and prints the harness's table.
 
@@ -127,8 +127,11 @@ def lm_eval(
             one: ``lm_eval_tasks``, the example task ``python_basics`` (16 multiple-choice completions of Python and
             English), read from any working folder.
         include_defaults: Also index lm-eval's built-in tasks (False: only ``include_path``, much faster).
-        add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA); the tokenizer's
-            default for ``--hf_folder``, False for ``--checkpoint`` (our training data has no BOS).
+        add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA). None: the tokenizer's
+            own default, for both kinds of model: a ``--checkpoint`` is scored with the tokenizer ``moh export-hf``
+            writes (no BOS or EOS, as training encoded), so it scores as its export does, and an ``--hf_folder`` with
+            the folder's tokenizer, as lm-eval's own ``hf`` model does.
+        dtype: Weight dtype of an ``--hf_folder`` (float32, bfloat16, float16); the folder's when None.
         output: JSON file for the results.
         trust_remote_code: Run the Python modelling code of an ``--hf_folder`` that is not the one ``moh export-hf``
             writes (read it first: loading runs it). The suite's own file is trusted without this.
@@ -154,6 +157,11 @@ def lm_eval(
                                    "trust_remote_code": remote_code_trusted(Path(hf_folder), trust_remote_code)}
     if add_bos_token is not None:
         model_args["add_bos_token"] = add_bos_token
+    if dtype is not None:
+        if checkpoint is not None or dtype not in ("float32", "bfloat16", "float16"):
+            raise SystemExit(f"moh lm-eval: --dtype {dtype}: give float32, bfloat16 or float16 with --hf_folder (a "
+                             f"--checkpoint is evaluated in float32).")
+        model_args["dtype"] = dtype
     # lm-eval records the working folder's git commit by running `git describe`, whose stderr reaches the terminal
     # outside a repository ("fatal: not a git repository"); its lookup runs with that stderr discarded.
     with mock.patch.object(evaluator, "get_git_commit_hash", _without_stderr(evaluator.get_git_commit_hash)):

@@ -130,8 +130,10 @@ class MoHForCausalLM(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, attn_implementation=None, **kwargs):
         family = cls._family(config)
         kwargs.pop("trust_remote_code", None)
+        # AutoModelForCausalLM hands a requested implementation over inside the config it read.
+        requested = attn_implementation or getattr(config, "_attn_implementation_internal", None)
         return family.from_pretrained(pretrained_model_name_or_path, *args, config=config,
-                                      attn_implementation=moh_implementation(family, attn_implementation), **kwargs)
+                                      attn_implementation=moh_implementation(family, requested), **kwargs)
 
     @classmethod
     def _from_config(cls, config, attn_implementation=None, **kwargs):

@@ -35,16 +35,18 @@ class InterfaceHeads(MoHHeads):
 
     Args:
         num_heads: The layer's query heads.
+        num_kv_heads: Its key / value heads.
+        head_dim: The width of one head.
         num_shared_heads: Heads 0..h_s-1, always active.
         top_k: Routed heads kept per token.
         router_dtype: Precision of the query-norm scores (``QueryNormRouter``).
         execution: ``masked``, ``sparse`` or ``auto`` (``layers.execution``).
     """
 
-    def __init__(self, num_heads: int, num_shared_heads: int, top_k: int, router_dtype: str = "float32",
-                 execution: str = "auto") -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_shared_heads: int, top_k: int,
+                 router_dtype: str = "float32", execution: str = "auto") -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal = True
         self.execution = execution_mode(execution, "moh.execution")
         self.router = QueryNormRouter(num_heads, num_shared_heads, check_head_budget(num_heads, num_shared_heads,
@@ -190,7 +192,10 @@ def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
         raise ValueError(f"moh.router={moh.router!r}: continue-tuning a transformers model takes the parameter-free "
                          f"router (set moh.router: query_norm); transformers' attention interface passes the queries, "
                          f"not the layer input a learned router reads.")
-    heads, depth = config.num_attention_heads, config.num_hidden_layers
+    heads, depth = getattr(config, "num_attention_heads", None), config.num_hidden_layers
+    if not heads:
+        raise ValueError(f"model_type={config.model_type!r}: this family has no attention heads "
+                         f"(num_attention_heads) for MoH to gate; convert a model with multi-head attention.")
     if moh.num_shared_heads != 0 or moh.top_k is not None:
         return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(heads, depth)]
     if getattr(config, "moh_num_shared_heads", None) is not None:
@@ -242,8 +247,10 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
         hf = _from_pretrained(weights, family, implementation, dtype)
     if budget is not None:
         for layer, (shared, top_k) in zip(attention_layers(hf), budget, strict=True):
-            layer.moh_heads = InterfaceHeads(family.num_attention_heads, shared, top_k, moh.router_dtype,
-                                             moh.execution)
+            heads = family.num_attention_heads
+            layer.moh_heads = InterfaceHeads(heads, getattr(family, "num_key_value_heads", None) or heads,
+                                             getattr(family, "head_dim", None) or family.hidden_size // heads, shared,
+                                             top_k, moh.router_dtype, moh.execution)
     return HFCausalLM(hf)
 
 
