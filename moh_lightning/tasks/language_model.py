@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 
+from moh_lightning.data.text import BYTE_TOKENIZER
 from moh_lightning.errors import BadValueError
 from moh_lightning.models.hf_causal import build_hf_causal, family_config, head_budget, read_source_config
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
@@ -116,6 +117,11 @@ class LanguageModel(MoHTask):
         data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
         if self.hf_config is not None:
             vocab = family_config(self.hf_config).vocab_size
+            tokenizer = getattr(self.trainer.datamodule, "hparams", {}).get("tokenizer")
+            if tokenizer == BYTE_TOKENIZER and self.init_from:
+                # The data module's default: a pretrained model reads its own tokenizer's ids, not bytes.
+                raise BadValueError(f"data.init_args.tokenizer={tokenizer}: continue-tuning {self.init_from} needs its "
+                                    f"tokenizer; add --data.init_args.tokenizer {self.init_from}.")
             if isinstance(data_vocab, int) and data_vocab > vocab:
                 raise BadValueError(f"data.init_args.tokenizer has {data_vocab} tokens, more than the {vocab} of "
                                     f"init_from's embedding: give init_from's own tokenizer.")
