@@ -60,7 +60,7 @@ class MoHLM(HFLM):
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 1,
                  max_length: int | None = None, device: str = "cpu", **kwargs) -> None:
-        from moh_lightning.data.text import exported_tokenizer
+        from moh_lightning.data.text import exported_tokenizer, load_tokenizer
         from moh_lightning.tasks.checkpoints import load_language_model
 
         task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")
@@ -69,8 +69,14 @@ class MoHLM(HFLM):
             raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
         self.net = task.model.to(device).eval()
         # The tokenizer `moh export-hf` writes beside the weights, so that the checkpoint and its export score the same
-        # under one policy (``lm_eval``'s ``add_bos_token``): a plain call encodes as training did, no BOS or EOS.
-        super().__init__(pretrained=_HarnessView(self.net), tokenizer=exported_tokenizer(name), backend="causal",
+        # under one policy (``lm_eval``'s ``add_bos_token``): a plain call encodes as training did, no BOS or EOS. A
+        # tokenizer whose special tokens cannot be turned off (ByT5's) has them left out of each call instead.
+        try:
+            encoder = exported_tokenizer(name)
+        except ValueError:
+            encoder = load_tokenizer(name)
+            kwargs.setdefault("add_bos_token", False)
+        super().__init__(pretrained=_HarnessView(self.net), tokenizer=encoder, backend="causal",
                          batch_size=batch_size, max_length=max_length or self.net.block_size, **kwargs)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
