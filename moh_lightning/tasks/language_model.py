@@ -18,7 +18,6 @@ from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.trainer.states import TrainerFn
 
 from moh_lightning.data.text import BYTE_TOKENIZER
 from moh_lightning.errors import BadValueError
@@ -135,10 +134,9 @@ class LanguageModel(MoHTask):
             if self.hf_config is None:
                 self.model = MoHLlama(self.config)
             else:
-                # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and
-                # evaluation restore the trained ones.
-                fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-                fresh = self.init_from and fitting and self.trainer.ckpt_path is None
+                # A fit, validation or test without a checkpoint starts from the pretrained weights (so `moh validate`
+                # scores the source); a resumed run, an evaluated checkpoint and load_from_checkpoint restore theirs.
+                fresh = self.init_from and self._trainer is not None and self.trainer.ckpt_path is None
                 self.model = build_hf_causal(self.hf_config, self.config.moh, self.init_from if fresh else None)
         super().configure_model()  # activation checkpointing / torch.compile (MoHTask), once
 
