@@ -29,7 +29,7 @@ OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"
 
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
-NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None}
+NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None, "hf_config": None}
 # Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
 OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
 

@@ -153,14 +153,15 @@ def test_continue_tuning_resumes_exactly_and_exports(family, run_dir):
     source = json.loads((run_dir / "source" / "config.json").read_text())
     assert written["rms_norm_eps"] == source["rms_norm_eps"] == 1e-6
     assert written["moh_base_model_type"] == family and written["model_type"] == "moh"
-    texts = moh_generate(checkpoint)
+    texts = moh_generate(checkpoint=checkpoint)
     assert len(texts) == 1 and texts[0]
+    assert moh_generate(hf_folder="exported") == texts  # the export continues a prompt as the checkpoint does
 
 
-def moh_generate(checkpoint: str) -> list[str]:
+def moh_generate(**model) -> list[str]:
     from moh_lightning.tools.generate import generate
 
-    return generate(checkpoint, prompt="def parse(", max_new_tokens=8, temperature=0)
+    return generate(**model, prompt="def parse(", max_new_tokens=8, temperature=0)
 
 
 @pytest.mark.slow
