@@ -54,6 +54,7 @@ TOOLS: dict[str, str] = {
     "fidelity": "moh_lightning.tools.fidelity:fidelity",
     "digit_quality": "moh_lightning.tools.digit_quality:digit_quality",
     "generate": "moh_lightning.tools.generate:generate",
+    "convert-hf": "moh_lightning.tools.export:convert_hf",
     "convert-llama": "moh_lightning.tools.export:convert_llama",
     "export-hf": "moh_lightning.tools.export:export_checkpoint",
     "export-timm": "moh_lightning.tools.export_timm:export_timm",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -18,7 +19,10 @@ REQUIRED = {"vit_s": ["--data.init_args.data_dir", "/data/imagenet"],
             "dit_s2": ["--data.init_args.data_path", "/data/imagenet/train"],
             "dit_b2": ["--data.init_args.data_path", "/data/imagenet/train"],
             "dit_l2": ["--data.init_args.data_path", "/data/imagenet/train"],
-            "dit_xl2": ["--data.init_args.data_path", "/data/imagenet/train"]}
+            "dit_xl2": ["--data.init_args.data_path", "/data/imagenet/train"],
+            # init_from's config.json, which the task reads before building: Meta-Llama-3-8B's, with no hub here.
+            "llama3_8b_moh": ["--model.init_args.hf_config",
+                              (Path(__file__).parent / "data" / "llama3_8b_config.json").read_text()]}
 _CALLBACK_ATTRIBUTES = ("monitor", "mode", "save_last", "_every_n_train_steps", "save_top_k", "every_n_steps",
                         "num_per_class", "max_classes", "cfg_scale", "logging_interval", "log_every_n_steps",
                         "decay", "collapse_windows")
@@ -49,7 +53,7 @@ def _flat(prefix: str, value, out: dict) -> dict:
 def settings(config: str) -> dict:
     """The settings of one shipped config, its model built on the meta device (no memory, no initialisation)."""
     from moh_lightning.cli import MoHLightningCLI
-    from moh_lightning.layers import MoHAttention
+    from moh_lightning.layers import MoHHeads
 
     args = ["--config", config, *REQUIRED.get(config.rsplit("_", 1)[0], []),
             "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]
@@ -77,7 +81,7 @@ def settings(config: str) -> dict:
                          "sha256": hashlib.sha256("\n".join(shapes).encode()).hexdigest()}
     layers = []
     for m in task.modules():
-        if isinstance(m, MoHAttention):
+        if isinstance(m, MoHHeads):
             r = m.router
             layers.append([m.num_heads, m.num_kv_heads, m.head_dim, m.causal, m.execution,
                            None if r is None else type(r).__name__,

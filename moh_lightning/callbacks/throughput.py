@@ -20,7 +20,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from moh_lightning.layers import MoHAttention
+from moh_lightning.layers import MoHHeads
 from moh_lightning.layers.execution import runs_head_sparse
 
 _aten = torch.ops.aten
@@ -83,11 +83,11 @@ def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
     if example is None:
         return None
     example = tuple(t.to(pl_module.device) for t in (example if isinstance(example, tuple) else (example,)))
-    layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoHAttention)}
+    layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoHHeads)}
     lengths: dict[str, int] = {}
 
-    def record_length(module: MoHAttention, args: tuple) -> None:
-        lengths.setdefault(names[module], args[0].shape[1])
+    def record_length(module: MoHHeads, args: tuple) -> None:
+        lengths.setdefault(names[module], module.sequence_length(args))
 
     names = {m: name for name, m in layers.items()}
     hooks = [m.register_forward_pre_hook(record_length) for m in layers.values()]

@@ -188,7 +188,9 @@ def load_tokenizer(name: str, key: str = "tokenizer"):
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
         raise MissingDataError(f"{key}={name!r}: no such folder; {advice}.")
     try:
-        return AutoTokenizer.from_pretrained(name)
+        # A tokenizer runs no custom code here; the folders `moh convert-hf` / `export-hf` write hold a model's remote
+        # code beside the tokenizer, which transformers would otherwise ask about, stopping a run at a prompt.
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except (OSError, ValueError) as error:
         # transformers' messages run over several lines; the first says what failed.
         reason = str(error).strip().splitlines()[0].rstrip(" :")

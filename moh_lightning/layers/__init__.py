@@ -7,6 +7,7 @@ from moh_lightning.layers.execution import ExecutionMode
 from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.moh_attention import (
     MoHAttention,
+    MoHHeads,
     activated_head_fraction,
     moh_layers,
     pop_load_balance_loss,
@@ -14,7 +15,7 @@ from moh_lightning.layers.moh_attention import (
 from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterOutput, RouterType, load_balance_loss
 
 __all__ = [
-    "ExecutionMode", "KVCache", "MoHAttention", "MoHRouter", "QueryNormRouter", "RouterOutput", "RouterType",
-    "activated_head_fraction", "check_head_budget", "load_balance_loss", "moh_layers",
+    "ExecutionMode", "KVCache", "MoHAttention", "MoHHeads", "MoHRouter", "QueryNormRouter", "RouterOutput",
+    "RouterType", "activated_head_fraction", "check_head_budget", "load_balance_loss", "moh_layers",
     "pop_load_balance_loss",
 ]

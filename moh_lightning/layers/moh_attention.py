@@ -28,7 +28,87 @@ from moh_lightning.layers.kv_cache import KVCache
 from moh_lightning.layers.routers import MoHRouter, QueryNormRouter, RouterDtype, RouterType
 
 
-class MoHAttention(nn.Module):
+class MoHHeads(nn.Module):
+    """The routing half of a MoH layer: its router, the gates of the last forward, and the gated attention core.
+
+    ``MoHAttention`` adds its projections; ``models.hf_causal`` attaches one, without projections, to each attention
+    layer of a ``transformers`` model. The callbacks and ``moh_layers`` find MoH layers by this class. A subclass sets
+    ``router`` (None: a dense layer), ``num_heads``, ``causal`` and ``execution``.
+    """
+
+    router: MoHRouter | QueryNormRouter | None
+    num_heads: int
+    causal: bool
+    execution: ExecutionMode
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_gates: torch.Tensor | None = None
+        self.load_balance_loss: torch.Tensor | None = None
+
+    @property
+    def is_moh(self) -> bool:
+        return self.router is not None
+
+    @property
+    def num_shared_heads(self) -> int:
+        return 0 if self.router is None else self.router.num_shared_heads
+
+    @property
+    def active_heads(self) -> int:
+        """Heads each token uses: h_s + k, or h for the dense layer."""
+        if self.router is None:
+            return self.num_heads
+        return self.router.num_shared_heads + (self.router.top_k if self.router.num_routed_heads else 0)
+
+    def sequence_length(self, args: tuple) -> int:
+        """The number of tokens of a forward called with ``args`` (the throughput monitor's hook reads it)."""
+        return args[0].shape[1]
+
+    def route(self, x: torch.Tensor | None, q: torch.Tensor, padding_mask: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+        """Gates (B, N, h) of tokens ``x`` (B, N, C) with queries ``q`` (B, h, N, d), zero where a head is not used
+        and on padded tokens; None for the dense layer. Kept in ``last_gates`` and ``load_balance_loss``."""
+        if self.router is None:
+            return None
+        routing = self.router(x, q=q, valid=None if padding_mask is None else padding_mask.reshape(-1))
+        gates = routing.gates
+        if padding_mask is not None:
+            gates = gates * padding_mask[..., None].to(gates.dtype)
+        # Under an FX trace the tensors are proxies of one static graph: no layer state may keep them.
+        if not isinstance(q, torch.fx.Proxy):
+            self.last_gates = gates.detach()
+            self.load_balance_loss = routing.load_balance_loss
+        return gates
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None, *,
+               causal: bool = False, offset: int = 0, padding_mask: torch.Tensor | None = None,
+               attn_mask: torch.Tensor | None = None, decoding: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+        """Gated head outputs (B, N, h, d) of ``q`` (B, h, N, d) over ``k, v`` (B, h_kv, M, d), on the execution
+        path ``execution`` and the shapes pick; arguments as ``layers.execution.attend``'s, ``decoding`` when the
+        keys come from a KV cache."""
+        # A traced graph computes every head and masks: head-sparse packing follows the gates' values, which a trace
+        # does not have.
+        head_sparse = (gates is not None and not isinstance(q, torch.fx.Proxy)
+                       and self._head_sparse(gates, q.shape[2], k.shape[2], decoding, causal))
+        return attend_heads(q, k, v, gates, head_sparse=head_sparse, num_shared_heads=self.num_shared_heads,
+                            active_heads=self.active_heads, causal=causal, offset=offset, padding_mask=padding_mask,
+                            attn_mask=attn_mask, dropout_p=dropout_p)
+
+    def _head_sparse(self, gates: torch.Tensor, num_queries: int, num_keys: int, decoding: bool,
+                    causal: bool) -> bool:
+        """Whether this forward computes only the selected (token, head) pairs (``execution``, else the shapes)."""
+        # The straight-through router passes a gradient to unselected heads' gates, which needs their outputs.
+        if isinstance(self.router, QueryNormRouter) and gates.requires_grad:
+            if self.execution == "sparse":
+                raise ValueError("execution='sparse' cannot train the query_norm router: its straight-through "
+                                 "gradient needs every head's output. Use execution='auto' or 'masked'.")
+            return False
+        return runs_head_sparse(self.execution, gates.device.type, num_queries, num_keys,
+                                self.active_heads / self.num_heads, decoding, causal)
+
+
+class MoHAttention(MoHHeads):
     """Multi-head self-attention whose heads are experts picked per token by a router.
 
     Args:
@@ -122,23 +202,6 @@ class MoHAttention(nn.Module):
                 self.router = QueryNormRouter(num_heads, num_shared_heads, top_k, router_dtype)
             else:
                 raise ValueError(f"router={router!r}: choose 'learned' or 'query_norm'.")
-        self.last_gates: torch.Tensor | None = None
-        self.load_balance_loss: torch.Tensor | None = None
-
-    @property
-    def is_moh(self) -> bool:
-        return self.router is not None
-
-    @property
-    def num_shared_heads(self) -> int:
-        return 0 if self.router is None else self.router.num_shared_heads
-
-    @property
-    def active_heads(self) -> int:
-        """Heads each token uses: h_s + k, or h for the dense layer."""
-        if self.router is None:
-            return self.num_heads
-        return self.router.num_shared_heads + (self.router.top_k if self.router.num_routed_heads else 0)
 
     def forward(
             self,
@@ -173,35 +236,14 @@ class MoHAttention(nn.Module):
                           attn_mask=attn_mask, decoding=kv_cache is not None)
         return self.merge(out)
 
-    def route(self, x: torch.Tensor, q: torch.Tensor, padding_mask: torch.Tensor | None = None
-              ) -> torch.Tensor | None:
-        """Gates (B, N, h) of tokens ``x`` (B, N, C) with queries ``q`` (B, h, N, d), zero where a head is not used
-        and on padded tokens; None for the dense layer. Kept in ``last_gates`` and ``load_balance_loss``."""
-        if self.router is None:
-            return None
-        routing = self.router(x, q=q, valid=None if padding_mask is None else padding_mask.reshape(-1))
-        gates = routing.gates
-        if padding_mask is not None:
-            gates = gates * padding_mask[..., None].to(gates.dtype)
-        # Under an FX trace the tensors are proxies of one static graph: no layer state may keep them.
-        if not isinstance(x, torch.fx.Proxy):
-            self.last_gates = gates.detach()
-            self.load_balance_loss = routing.load_balance_loss
-        return gates
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor | None, *,
                causal: bool = False, offset: int = 0, padding_mask: torch.Tensor | None = None,
-               attn_mask: torch.Tensor | None = None, decoding: bool = False) -> torch.Tensor:
-        """Gated head outputs (B, N, h, d) of ``q`` (B, h, N, d) over ``k, v`` (B, h_kv, M, d), on the execution
-        path ``execution`` and the shapes pick; arguments as ``layers.execution.attend``'s, ``decoding`` when the
-        keys come from a KV cache."""
-        # A traced graph computes every head and masks: head-sparse packing follows the gates' values, which a trace
-        # does not have.
-        head_sparse = (gates is not None and not isinstance(q, torch.fx.Proxy)
-                       and self._head_sparse(gates, q.shape[2], k.shape[2], decoding, causal))
-        return attend_heads(q, k, v, gates, head_sparse=head_sparse, num_shared_heads=self.num_shared_heads,
-                            active_heads=self.active_heads, causal=causal, offset=offset, padding_mask=padding_mask,
-                            attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0)
+               attn_mask: torch.Tensor | None = None, decoding: bool = False, dropout_p: float | None = None
+               ) -> torch.Tensor:
+        """``MoHHeads.attend`` with the layer's attention dropout in training."""
+        dropout_p = (self.attn_drop.p if self.training else 0.0) if dropout_p is None else dropout_p
+        return super().attend(q, k, v, gates, causal=causal, offset=offset, padding_mask=padding_mask,
+                              attn_mask=attn_mask, decoding=decoding, dropout_p=dropout_p)
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         """Gated head outputs (B, N, h, d) -> concatenated, normalised and projected tokens (B, N, C_out)."""
@@ -209,22 +251,10 @@ class MoHAttention(nn.Module):
         out = self.norm(out.reshape(batch, length, self.attn_dim))
         return self.proj_drop(self.proj(out))
 
-    def _head_sparse(self, gates: torch.Tensor, num_queries: int, num_keys: int, decoding: bool,
-                     causal: bool) -> bool:
-        """Whether this forward computes only the selected (token, head) pairs (``execution``, else the shapes)."""
-        # The straight-through router passes a gradient to unselected heads' gates, which needs their outputs.
-        if isinstance(self.router, QueryNormRouter) and gates.requires_grad:
-            if self.execution == "sparse":
-                raise ValueError("execution='sparse' cannot train the query_norm router: its straight-through "
-                                 "gradient needs every head's output. Use execution='auto' or 'masked'.")
-            return False
-        return runs_head_sparse(self.execution, gates.device.type, num_queries, num_keys,
-                                self.active_heads / self.num_heads, decoding, causal)
-
 
 def moh_layers(model: nn.Module) -> list[MoHAttention]:
     """Every routed ``MoHAttention`` in ``model``, in module order (dense layers excluded)."""
-    return [m for m in model.modules() if isinstance(m, MoHAttention) and m.is_moh]
+    return [m for m in model.modules() if isinstance(m, MoHHeads) and m.is_moh]
 
 
 def pop_load_balance_loss(model: nn.Module) -> torch.Tensor | None:
@@ -298,7 +328,7 @@ class _CheckpointedForward:
             if not calls:
                 calls.append(True)
                 return forward(module, *inner_args, **inner_kwargs)
-            layers = [m for m in module.modules() if isinstance(m, MoHAttention)]
+            layers = [m for m in module.modules() if isinstance(m, MoHHeads)]
             kept = [(m.last_gates, m.load_balance_loss) for m in layers]
             try:  # the recomputation may stop early, once it has every tensor backward needs
                 return forward(module, *inner_args, **inner_kwargs)
@@ -311,6 +341,6 @@ class _CheckpointedForward:
 
 def activated_head_fraction(model: nn.Module) -> float:
     """Share of all attention heads each token uses, over every ``MoHAttention`` layer (dense ones at 100%)."""
-    layers = [m for m in model.modules() if isinstance(m, MoHAttention)]
+    layers = [m for m in model.modules() if isinstance(m, MoHHeads)]
     total = sum(m.num_heads for m in layers)
     return sum(m.active_heads for m in layers) / total if total else 1.0

@@ -6,17 +6,41 @@ with the query-norm router (see ``load_balance_beta``). Gradient clipping (1.0),
 bf16 and gradient accumulation are Trainer settings in the configs. Training stops once ``max_tokens``
 tokens have been consumed; the trainer's ``max_steps`` (the progress bar's total) is set from that budget when
 training starts. Loss, perplexity and, for the byte tokenizer, bits per byte are logged.
+
+With ``init_from`` the network is the pretrained ``transformers`` model itself (any family whose attention goes
+through transformers' attention interface, ``models.hf_causal``), its architecture and every setting read from the
+source's config before anything is built (paper section 4.4: continue-tuning a pretrained model into MoH).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Literal
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 
+from moh_lightning.data.text import BYTE_TOKENIZER
+from moh_lightning.errors import BadValueError
+from moh_lightning.models.hf_causal import build_hf_causal, family_config, head_budget, read_source_config
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
+
+# LlamaConfig's fields -> the transformers config's, for the shapes and settings a source gives (``check_arch``).
+_SOURCE_FIELDS = {"depth": "num_hidden_layers", "embed_dim": "hidden_size", "num_heads": "num_attention_heads",
+                  "head_dim": "head_dim", "num_kv_heads": "num_key_value_heads",
+                  "intermediate_size": "intermediate_size", "block_size": "max_position_embeddings",
+                  "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+
+
+def complete(model: torch.nn.Module, prompt_ids: list[int], tokenizer, max_new_tokens: int, temperature: float,
+             top_k_tokens: int | None, top_p: float, seed: int, num_samples: int = 1) -> list[str]:
+    """``num_samples`` continuations of a prompt's token ids by a language model (the suite's network or a transformers
+    one in ``HFCausalLM``), decoded through the KV cache until the tokenizer's EOS: the text after the prompt, special
+    tokens dropped."""
+    idx = torch.tensor([prompt_ids] * num_samples, device=next(model.parameters()).device)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k_tokens=top_k_tokens, top_p=top_p,
+                         eos_id=tokenizer.eos_token_id, seed=seed)
+    return [tokenizer.decode(row[len(prompt_ids):].tolist(), skip_special_tokens=True) for row in out]
 
 
 class LanguageModel(MoHTask):
@@ -27,9 +51,12 @@ class LanguageModel(MoHTask):
     (``bf16-true`` builds it in bf16), with its pretrained weights, right before FSDP shards it block by block.
 
     Args:
-        arch: The architecture, including the MoH head budget (``arch.moh``).
-        init_from: A ``transformers`` LLaMA checkpoint (folder or hub id) to continue-tune: its weights are
-            converted into ``arch`` (whose shapes must match, see ``models.llama.llm_config_from_hf``).
+        arch: The architecture, including the MoH head budget (``arch.moh``). With ``init_from`` only ``arch.moh``
+            applies (``router: query_norm``; its budget, else the source's ``moh_*`` one, else half the heads shared
+            and half the routed ones kept, ``models.hf_causal.head_budget``; ``moh: null`` tunes densely), and a shape
+            or setting that differs from the source's stops the run naming it.
+        init_from: A ``transformers`` causal LM (folder or hub id; a ``moh convert-hf`` / ``export-hf`` /
+            ``convert-llama`` folder too) to continue-tune: the network is that model, with MoH attention.
         lr: Maximum learning rate.
         min_lr: Learning rate at the end of the cosine decay.
         warmup_lr: Learning rate at the first step of the linear warm-up.
@@ -45,6 +72,8 @@ class LanguageModel(MoHTask):
         activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
             compute per step.
         init_from_hf: ``init_from``'s name before the release that gave every task one name; warns.
+        hf_config: The ``transformers`` config of ``init_from``, read from it when None; checkpoints keep it, so a
+            run resumes and its checkpoint loads without the source.
         max_new_tokens: ``moh predict``: tokens to generate after each prompt (fewer at EOS or a full context).
         temperature: ``moh predict``: softmax temperature of the sampler; 0 is greedy decoding.
         top_k_tokens: ``moh predict``: sample among the k most likely tokens; None for all.
@@ -75,8 +104,16 @@ class LanguageModel(MoHTask):
             top_p: float = 1.0,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            hf_config: dict | None = None,
     ) -> None:
         config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
+        init_from = init_from_option(init_from, init_from_hf, "init_from_hf")
+        if init_from is not None and hf_config is None:
+            hf_config = read_source_config(init_from)  # config.json only: the shapes before anything is built
+        if hf_config is not None:
+            check_arch(config, hf_config, init_from or "the checkpoint's source")
+            if config.moh is not None:
+                head_budget(config.moh, family_config(hf_config))  # the budget checked before anything is built
         if load_balance_beta is None:
             load_balance_beta = 0.0 if config.moh is not None and config.moh.router == "query_norm" else 0.01
         super().__init__(load_balance_beta, compile, activation_checkpointing)
@@ -87,7 +124,9 @@ class LanguageModel(MoHTask):
         self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
                            "top_p": top_p}
         self.save_hyperparameters(ignore=list(self.generation))  # not saved: see the class's docstring
-        self.init_from = init_from_option(init_from, init_from_hf, "init_from_hf")
+        self.hparams.hf_config = hf_config
+        self.init_from = init_from
+        self.hf_config = hf_config
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.config = config
         self.tokens_seen = 0
@@ -96,26 +135,38 @@ class LanguageModel(MoHTask):
         return self.model(idx)
 
     def example_input(self) -> torch.Tensor:
-        return torch.zeros(1, self.config.block_size, dtype=torch.long)
+        data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        length = self.model.block_size
+        if data is not None and hasattr(data, "hparams") and "seq_len" in data.hparams:
+            length = min(length, data.hparams.seq_len)  # a pretrained model's context can be far longer than training's
+        return torch.zeros(1, length, dtype=torch.long)
 
     def setup(self, stage: str) -> None:
         data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
-        if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
+        if self.hf_config is not None:
+            vocab = family_config(self.hf_config).vocab_size
+            tokenizer = getattr(self.trainer.datamodule, "hparams", {}).get("tokenizer")
+            if tokenizer == BYTE_TOKENIZER and self.init_from:
+                # The data module's default: a pretrained model reads its own tokenizer's ids, not bytes.
+                raise BadValueError(f"data.init_args.tokenizer={tokenizer}: continue-tuning {self.init_from} needs its "
+                                    f"tokenizer; add --data.init_args.tokenizer {self.init_from}.")
+            if isinstance(data_vocab, int) and data_vocab > vocab:
+                raise BadValueError(f"data.init_args.tokenizer has {data_vocab} tokens, more than the {vocab} of "
+                                    f"init_from's embedding: give init_from's own tokenizer.")
+        elif isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
             raise ValueError(f"model.init_args.arch.vocab_size={self.config.vocab_size} is smaller than the "
                              f"tokenizer's {data_vocab} tokens: set it to at least {data_vocab}.")
 
     def configure_model(self) -> None:
         # Called again by each fit / validate and by callbacks (EMA): build once.
         if self.model is None:
-            model = MoHLlama(self.config)
-            # Only a fresh fit starts from the pretrained weights: a resumed run, load_from_checkpoint and evaluation
-            # restore the trained ones.
-            fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-            if self.init_from and fitting and not self.restores_checkpoint:
-                from moh_lightning.models.llama import load_hf_weights
-
-                load_hf_weights(model, self.init_from)
-            self.model = model
+            if self.hf_config is None:
+                self.model = MoHLlama(self.config)
+            else:
+                # A fit, validation or test without a checkpoint starts from the pretrained weights (so `moh validate`
+                # scores the source); a resumed run, an evaluated checkpoint and load_from_checkpoint restore theirs.
+                fresh = self.init_from and self._trainer is not None and not self.restores_checkpoint
+                self.model = build_hf_causal(self.hf_config, self.config.moh, self.init_from if fresh else None)
         super().configure_model()  # activation checkpointing / torch.compile (MoHTask), once
 
     def head_load_groups(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -159,12 +210,9 @@ class LanguageModel(MoHTask):
     @torch.no_grad()
     def complete(self, prompt_ids: list[int], tokenizer, max_new_tokens: int, temperature: float,
                  top_k_tokens: int | None, top_p: float, seed: int, num_samples: int = 1) -> list[str]:
-        """``num_samples`` continuations of a prompt's token ids, decoded through the KV cache until the tokenizer's
-        EOS: the text after the prompt, special tokens dropped."""
-        idx = torch.tensor([prompt_ids] * num_samples, device=self.device)
-        out = self.model.generate(idx, max_new_tokens, temperature=temperature, top_k_tokens=top_k_tokens,
-                                  top_p=top_p, eos_id=tokenizer.eos_token_id, seed=seed)
-        return [tokenizer.decode(row[len(prompt_ids):].tolist(), skip_special_tokens=True) for row in out]
+        """``complete`` with this task's network."""
+        return complete(self.model, prompt_ids, tokenizer, max_new_tokens, temperature, top_k_tokens, top_p, seed,
+                        num_samples)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
@@ -195,6 +243,27 @@ class LanguageModel(MoHTask):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def check_arch(config: LlamaConfig, hf_config: dict, source: str) -> None:
+    """With ``init_from`` the architecture is the source's: ``arch`` may leave a shape or setting at its default or
+    repeat the source's value, and any other value stops here in one line naming it (the vocabulary follows the
+    tokenizer, checked in ``setup``)."""
+    family = family_config(hf_config)
+    defaults = LlamaConfig()
+    for field in fields(LlamaConfig):
+        name = field.name
+        if name in ("moh", "vocab_size", "fused_kernels"):  # budget and vocabulary checked apart; kernels: speed
+            continue
+        value = getattr(config, name)
+        if name == "rope_base":
+            rope = getattr(family, "rope_parameters", None) or {}
+            theirs = rope.get("rope_theta", getattr(family, "rope_theta", None))
+        else:
+            theirs = getattr(family, _SOURCE_FIELDS[name], None)
+        if value != getattr(defaults, name) and value != theirs:
+            raise BadValueError(f"model.init_args.arch.{name}={value}: with init_from the architecture is "
+                                f"{source}'s ({_SOURCE_FIELDS.get(name, name)}={theirs}); remove the override.")
+
+
 def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, total_steps: int):
     """Learning rate at an optimizer step: linear from ``init_lr`` to ``lr``, then cosine down to ``min_lr``."""
 
@@ -207,4 +276,4 @@ def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, t
     return at
 
 
-__all__ = ["LanguageModel", "warmup_cosine"]
+__all__ = ["LanguageModel", "check_arch", "warmup_cosine"]

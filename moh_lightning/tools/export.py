@@ -1,4 +1,4 @@
-"""``moh convert-llama`` and ``moh export-hf``: MoH-LLaMA folders that ``transformers`` and lm-eval load."""
+"""``moh convert-hf``, ``convert-llama`` and ``export-hf``: MoH folders that ``transformers`` and lm-eval load."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,12 +6,68 @@ from pathlib import Path
 import torch
 
 from moh_lightning.data.text import exported_tokenizer
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.hf_causal import (
+    HFCausalLM,
+    build_hf_causal,
+    export_hf_causal,
+    family_config,
+    read_source_config,
+)
 from moh_lightning.models.llama import export_hf, from_hf
-from moh_lightning.tasks.checkpoints import load_language_model
+from moh_lightning.tasks.checkpoints import load_language_model, one_line_errors
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
+               dtype: str | None = None, router_dtype: str = "float32") -> str:
+    """Converts any ``transformers`` causal LM whose attention goes through transformers' attention interface (Qwen2,
+    Qwen3, Mistral, Phi-3, Gemma 2, LLaMA, ...) into a MoH folder with the parameter-free query-norm router.
+
+    The first ``num_shared_heads`` heads of every layer are shared and ``top_k`` of the others kept per token, gates
+    {0, 1} (paper section 4.4). The folder keeps the family's modelling code, weights and every setting of the source,
+    loads with ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` and lm-eval's ``hf`` model, and is
+    a valid ``init_from`` for continue-tuning (``continue_hf_75.yaml``). With every head kept its logits are the
+    source's.
+
+    Args:
+        source: The model: a local folder or a hub id.
+        out: Folder to write (weights, config, ``hf_moh.py``, tokenizer, model card).
+        num_shared_heads: Always-active heads per layer (the first ones); half of the heads when None.
+        top_k: Routed heads kept per token; half of the routed heads (75% active) when None.
+        dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
+        router_dtype: Precision of the query-norm scores: float32, or activation (the authors' code).
+    """
+    from transformers import AutoTokenizer
+
+    if dtype is not None and dtype not in DTYPES:
+        raise SystemExit(f"moh convert-hf: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out for "
+                         f"the source's).")
+    with one_line_errors("convert-hf"):
+        config = read_source_config(source)
+        heads = getattr(family_config(config), "num_attention_heads", None) or 0
+        shared = heads // 2 if num_shared_heads is None else num_shared_heads
+        kept = max(1, (heads - shared) // 2) if heads > shared else 0
+        kept = kept if top_k is None else top_k
+        moh = MoHConfig(num_shared_heads=shared, top_k=kept, router="query_norm", router_dtype=router_dtype)
+        model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except (OSError, ValueError):
+        tokenizer = None  # a weights-only folder; pass the tokenizer to lm-eval separately
+    written_dtype = next(model.parameters()).dtype
+    export_hf_causal(model, out, tokenizer, source=(
+        f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` ({written_dtype}): "
+        f"its weights and settings unchanged, the parameter-free query-norm router added ({shared} shared + top-"
+        f"{kept} routed heads per layer). Not yet continue-tuned: the starting point of paper section 4.4."))
+    print(f"wrote {out}: {type(model.hf).__name__}, {shared} shared + top-{kept} of {heads - shared} routed heads "
+          f"({(shared + kept) / heads:.0%} active), {str(written_dtype).removeprefix('torch.')}")
+    return out
 
 
 def convert_llama(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
-                  dtype: str = "bfloat16") -> str:
+                  dtype: str | None = None) -> str:
     """Converts a ``transformers`` LLaMA into a MoH-LLaMA folder that ``transformers`` and lm-eval load.
 
     Args:
@@ -19,11 +75,14 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
         out: Folder to write (weights, config, modelling code, tokenizer).
         num_shared_heads: Always-active heads per layer (the first ones); half of the heads when None.
         top_k: Routed heads kept per token; half of the routed heads (75% active) when None.
-        dtype: Weight dtype of the written model (float32, bfloat16, float16).
+        dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
     """
     from transformers import AutoTokenizer
 
-    model = from_hf(source, num_shared_heads, top_k, dtype=getattr(torch, dtype))
+    if dtype is not None and dtype not in DTYPES:
+        raise SystemExit(f"moh convert-llama: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out "
+                         f"for the source's).")
+    model = from_hf(source, num_shared_heads, top_k, dtype=getattr(torch, dtype) if dtype else "auto")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
@@ -65,6 +124,12 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
     task, data_hparams = load_language_model(checkpoint, tool="export-hf")
     name = tokenizer or data_hparams.get("tokenizer")
     source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
+    if isinstance(task.model, HFCausalLM):
+        export_hf_causal(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub)
+        print(f"wrote {out}")
+        if push_to_hub:
+            print(f"pushed {out} to {push_folder(out, push_to_hub, private)}")
+        return out
     export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub,
               tokenizer_note=_TOKENIZER_NOTE if name else None)
     print(f"wrote {out}")
@@ -97,4 +162,4 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False) -> str:
     return str(url)
 
 
-__all__ = ["checkpoint_provenance", "convert_llama", "export_checkpoint", "push_folder"]
+__all__ = ["DTYPES", "checkpoint_provenance", "convert_hf", "convert_llama", "export_checkpoint", "push_folder"]

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from moh_lightning.data.text import load_tokenizer
+from moh_lightning.models.hf_causal import HFCausalLM
 from moh_lightning.tasks.checkpoints import load_language_model
+from moh_lightning.tasks.language_model import complete
 
 
 def generate(
-        checkpoint: str,
+        checkpoint: str | None = None,
         prompt: str = "def ",
         max_new_tokens: int = 200,
         temperature: float = 0.8,
@@ -15,6 +17,7 @@ def generate(
         seed: int = 0,
         num_samples: int = 1,
         tokenizer: str | None = None,
+        hf_folder: str | None = None,
 ) -> list[str]:
     """Continues a prompt with a trained MoH language model, decoding through the KV cache.
 
@@ -27,21 +30,44 @@ def generate(
         top_p: Nucleus sampling mass; 1.0 turns it off.
         seed: Random seed of the sampler.
         num_samples: Continuations to draw.
-        tokenizer: Tokenizer name or folder; the one the model was trained with when None.
+        tokenizer: Tokenizer name or folder; the one the model was trained with when None (the folder's own for
+            ``--hf_folder``).
+        hf_folder: Or a folder from ``moh convert-hf`` / ``export-hf`` (any transformers causal LM folder).
     """
-    task, data_hparams = load_language_model(checkpoint)
-    tokenizer_name = tokenizer or data_hparams.get("tokenizer")
+    if (checkpoint is None) == (hf_folder is None):
+        raise SystemExit("moh generate: give exactly one of --checkpoint (a .ckpt) or --hf_folder (a folder).")
+    if hf_folder is not None:
+        model, tokenizer_name = _folder_model(hf_folder), tokenizer or hf_folder
+    else:
+        task, data_hparams = load_language_model(checkpoint)
+        model, tokenizer_name = task.model, tokenizer or data_hparams.get("tokenizer")
     if tokenizer_name is None:
         raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass --tokenizer.")
     tok = load_tokenizer(tokenizer_name)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("--prompt is empty after tokenisation: give some text to continue.")
-    texts = task.complete(ids, tok, max_new_tokens, temperature, top_k_tokens, top_p, seed, num_samples)
+    texts = complete(model, ids, tok, max_new_tokens, temperature, top_k_tokens, top_p, seed, num_samples)
     for text in texts:
         print(prompt + text)
         print("-" * 40)
     return texts
+
+
+def _folder_model(folder: str) -> HFCausalLM:
+    """The transformers model of ``folder``, decoded as a checkpoint's; remote code only as ``moh lm-eval`` trusts it
+    (the suite's own modelling files)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from moh_lightning.tools.lm_eval import remote_code_trusted
+
+    if not Path(folder, "config.json").is_file():
+        raise SystemExit(f"moh generate: --hf_folder {folder}: no config.json; write one with `moh export-hf` or "
+                         f"`moh convert-hf`.")
+    trusted = remote_code_trusted(Path(folder))
+    return HFCausalLM(AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trusted, dtype="auto")).eval()
 
 
 __all__ = ["generate"]

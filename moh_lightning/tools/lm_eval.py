@@ -23,7 +23,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moh_lightning.configs import config_dir
-from moh_lightning.models.llama import MoHLlama
 
 PAPER_TASKS = ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc2", "lambada_openai",
                "arc_easy", "boolq"]
@@ -34,10 +33,10 @@ class _HarnessView(nn.Module):
     """What ``HFLM`` reads from a pre-built model: ``config``, ``device``, ``tie_weights``; logits come from
     ``MoHLM._model_call``."""
 
-    def __init__(self, model: MoHLlama) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.net = model
-        self.config = PretrainedConfig(max_position_embeddings=model.config.block_size)
+        self.config = PretrainedConfig(max_position_embeddings=model.block_size)
 
     @property
     def device(self) -> torch.device:
@@ -61,7 +60,7 @@ class MoHLM(HFLM):
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 1,
                  max_length: int | None = None, device: str = "cpu", **kwargs) -> None:
-        from moh_lightning.data.text import load_tokenizer
+        from moh_lightning.data.text import exported_tokenizer, load_tokenizer
         from moh_lightning.tasks.checkpoints import load_language_model
 
         task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")
@@ -69,11 +68,16 @@ class MoHLM(HFLM):
         if name is None:
             raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
         self.net = task.model.to(device).eval()
-        # Training sequences are documents joined by EOS with no BOS (data.text), so neither is added here;
-        # the byte tokenizer would otherwise append EOS to every context and continuation.
-        kwargs.setdefault("add_bos_token", False)
-        super().__init__(pretrained=_HarnessView(self.net), tokenizer=load_tokenizer(name), backend="causal",
-                         batch_size=batch_size, max_length=max_length or self.net.config.block_size, **kwargs)
+        # The tokenizer `moh export-hf` writes beside the weights, so that the checkpoint and its export score the same
+        # under one policy (``lm_eval``'s ``add_bos_token``): a plain call encodes as training did, no BOS or EOS. A
+        # tokenizer whose special tokens cannot be turned off (ByT5's) has them left out of each call instead.
+        try:
+            encoder = exported_tokenizer(name)
+        except ValueError:
+            encoder = load_tokenizer(name)
+            kwargs.setdefault("add_bos_token", False)
+        super().__init__(pretrained=_HarnessView(self.net), tokenizer=encoder, backend="causal",
+                         batch_size=batch_size, max_length=max_length or self.net.block_size, **kwargs)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         # Requests are right-padded, so the causal logits of the real tokens do not see the padding.
@@ -113,6 +117,7 @@ def lm_eval(
         add_bos_token: bool | None = None,
         output: str | None = None,
         trust_remote_code: bool = False,
+        dtype: str | None = None,
 ) -> dict:
     """Evaluates a MoH language model with lm-evaluation-harness and prints the harness's table.
 
@@ -128,8 +133,11 @@ def lm_eval(
             one: ``lm_eval_tasks``, the example task ``python_basics`` (16 multiple-choice completions of Python and
             English), read from any working folder.
         include_defaults: Also index lm-eval's built-in tasks (False: only ``include_path``, much faster).
-        add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA); the tokenizer's
-            default for ``--hf_folder``, False for ``--checkpoint`` (our training data has no BOS).
+        add_bos_token: Whether encodings get the tokenizer's special tokens (BOS for LLaMA). None: the tokenizer's
+            own default, for both kinds of model: a ``--checkpoint`` is scored with the tokenizer ``moh export-hf``
+            writes (no BOS or EOS, as training encoded), so it scores as its export does, and an ``--hf_folder`` with
+            the folder's tokenizer, as lm-eval's own ``hf`` model does.
+        dtype: Weight dtype of an ``--hf_folder`` (float32, bfloat16, float16); the folder's when None.
         output: JSON file for the results.
         trust_remote_code: Run the Python modelling code of an ``--hf_folder`` that is not the one ``moh export-hf``
             writes (read it first: loading runs it). The suite's own file is trusted without this.
@@ -155,6 +163,11 @@ def lm_eval(
                                    "trust_remote_code": remote_code_trusted(Path(hf_folder), trust_remote_code)}
     if add_bos_token is not None:
         model_args["add_bos_token"] = add_bos_token
+    if dtype is not None:
+        if checkpoint is not None or dtype not in ("float32", "bfloat16", "float16"):
+            raise SystemExit(f"moh lm-eval: --dtype {dtype}: give float32, bfloat16 or float16 with --hf_folder (a "
+                             f"--checkpoint is evaluated in float32).")
+        model_args["dtype"] = dtype
     # lm-eval records the working folder's git commit by running `git describe`, whose stderr reaches the terminal
     # outside a repository ("fatal: not a git repository"); its lookup runs with that stderr discarded.
     with mock.patch.object(evaluator, "get_git_commit_hash", _without_stderr(evaluator.get_git_commit_hash)):
@@ -236,15 +249,16 @@ def _without_stderr(function):
 
 
 def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
-    """Whether ``transformers`` may run ``folder``'s Python files: yes when every one is the modelling file that
-    ``moh export-hf`` writes, byte for byte, or when the user said so; none there needs no trust.
+    """Whether ``transformers`` may run ``folder``'s Python files: yes when every one is a modelling file that
+    ``moh export-hf`` / ``convert-hf`` writes, byte for byte, or when the user said so; none there needs no trust.
 
     Other code stops in one line naming the file, since loading the folder would run it.
     """
+    from moh_lightning.models.hf_causal import hf_moh
     from moh_lightning.models.llama import hf_moh_llama
 
-    ours = Path(hf_moh_llama.__file__).read_bytes()
-    foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() != ours)
+    ours = {Path(module.__file__).read_bytes() for module in (hf_moh_llama, hf_moh)}
+    foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() not in ours)
     if foreign and not trust_remote_code:
         raise SystemExit(f"moh lm-eval: --hf_folder {folder}: its modelling code {', '.join(foreign)} is not the file "
                          f"`moh export-hf` writes, and loading the folder would run it; read it, then pass "

@@ -141,7 +141,8 @@ TORCHSCRIPT = ("MoHAttention is not TorchScript (its router's custom autograd fu
 
 
 @pytest.mark.parametrize("name", TRACED)
-@pytest.mark.xfail(raises=(RuntimeError, torch.jit.frontend.NotSupportedError), strict=True, reason=TORCHSCRIPT)
+@pytest.mark.xfail(raises=(RuntimeError, ValueError, torch.jit.frontend.NotSupportedError), strict=True,
+                   reason=TORCHSCRIPT)
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_torchscript(name):
     with timm.set_scriptable(True):

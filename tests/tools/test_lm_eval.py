@@ -63,7 +63,7 @@ def test_lm_eval_tool_on_local_tasks_checkpoint_and_export_agree(workspace, caps
         output = workspace / f"results{flag}.json"
         moh(["lm-eval", flag, str(value), "--tasks", f"[{EXAMPLE_TASK}, tiny_gen]", "--include_path",
              str(workspace / "tasks"), "--include_defaults", "false", "--batch_size", "2",
-             "--add_bos_token", "false", "--output", str(output)])
+             "--output", str(output)])  # no BOS flag: one policy for both (the tokenizer the export writes)
         results[flag] = json.loads(output.read_text())["results"]
     assert "python_basics" in capsys.readouterr().out
     ours, exported = results["--checkpoint"], results["--hf_folder"]

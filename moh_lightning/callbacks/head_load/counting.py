@@ -1,7 +1,7 @@
 """Counting head loads: which heads each MoH layer's tokens used, summed over a window and over DDP ranks.
 
 Apart from the callback so that the numbers are made in one place, knowing nothing of loggers or files: the counter
-reads ``MoHAttention.last_gates`` after each batch, reduces its sums over ranks (every rank must call the closing
+reads ``MoHHeads.last_gates`` after each batch, reduces its sums over ranks (every rank must call the closing
 methods: they all-reduce), tracks routing collapse, and hands back a ``HeadLoadSnapshot`` of plain numbers.
 
 A head is *loaded* by a token when its gate is non-zero; its load is the share of tokens that use it. Training counts
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from moh_lightning.callbacks.head_load.loads import GroupLoad, HeadLoadSnapshot, LayerLoad
-from moh_lightning.layers import MoHAttention
+from moh_lightning.layers import MoHHeads
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class HeadLoadCounter:
         self.low_load = low_load
         self.collapse_windows = collapse_windows
         self.timestep_buckets = timestep_buckets
-        self.layers: list[MoHAttention] = []
+        self.layers: list[MoHHeads] = []
         self.collapse_events: list[dict] = []
         self.history: list[tuple[int, dict[int, list[float]]]] = []  # (step, layer -> routed loads) per window
         self.last_train: HeadLoadSnapshot | None = None
@@ -85,9 +85,9 @@ class HeadLoadCounter:
 
     def find_layers(self, module: torch.nn.Module) -> None:
         # Not once at setup: a task may build its model later, in configure_model (the language model does).
-        self.layers = [m for m in module.modules() if isinstance(m, MoHAttention)]
+        self.layers = [m for m in module.modules() if isinstance(m, MoHHeads)]
 
-    def routed_layers(self) -> list[tuple[int, MoHAttention]]:
+    def routed_layers(self) -> list[tuple[int, MoHHeads]]:
         """(index, layer) of the layers with a router; the index is the layer's position among all attention layers."""
         return [(i, layer) for i, layer in enumerate(self.layers) if layer.is_moh]
 
@@ -240,7 +240,7 @@ class HeadLoadCounter:
         return HeadLoadSnapshot(step=step, epoch=epoch, split=split, layers=layers, groups=groups or [], run=run)
 
 
-def _layer_load(index: int, layer: MoHAttention, load: torch.Tensor | None, mean_gate: torch.Tensor | None
+def _layer_load(index: int, layer: MoHHeads, load: torch.Tensor | None, mean_gate: torch.Tensor | None
                 ) -> LayerLoad:
     if not layer.is_moh:
         return LayerLoad(index=index, num_heads=layer.num_heads, shared=layer.num_heads, top_k=0,

@@ -12,7 +12,7 @@ import numpy as np
 from lightning.pytorch import LightningModule
 
 from moh_lightning.callbacks.head_load.loads import HeadLoadSnapshot, load_entropy
-from moh_lightning.layers import MoHAttention, QueryNormRouter, activated_head_fraction
+from moh_lightning.layers import MoHHeads, QueryNormRouter, activated_head_fraction
 
 #: Metrics shown beside the hyper-parameters (the last value logged in the run); a task logs the ones it has.
 DEFAULT_HPARAM_METRICS = ("val/loss", "val/acc1", "val/bpb", "head_load_balance/final_load_entropy", "samples/fid")
@@ -25,7 +25,7 @@ def _per_layer_value(values: list[float]) -> float | int:
     return round(float(np.mean(values)), 3)
 
 
-def run_hparams(pl_module: LightningModule, layers: list[MoHAttention]) -> dict[str, Any]:
+def run_hparams(pl_module: LightningModule, layers: list[MoHHeads]) -> dict[str, Any]:
     """The hyper-parameters compared across runs, with the same names in every task, read from the built model.
 
     TensorBoard's HParams tab lists them by name and shows the first five: the head budget is named so that they are

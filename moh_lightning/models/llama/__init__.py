@@ -21,7 +21,6 @@ from moh_lightning.models.llama.convert import (
     hf_to_moh_state_dict,
     layer_budgets,
     llm_config_from_hf,
-    load_hf_weights,
     model_card,
     moh_to_hf_state_dict,
 )
@@ -37,5 +36,5 @@ from moh_lightning.models.llama.network import (
 
 __all__ = ["AUTHORS_LLAMA_HUB", "ROUTER_LINEARS", "Block", "LlamaConfig", "MoHLlama", "RMSNorm", "RotaryEmbedding",
            "SwiGLU", "apply_rope", "authors_budget", "authors_llama_config", "export_hf", "from_hf", "hf_config_for",
-           "hf_to_moh_state_dict", "layer_budgets", "llm_config_from_hf", "load_authors_llama", "load_hf_weights",
+           "hf_to_moh_state_dict", "layer_budgets", "llm_config_from_hf", "load_authors_llama",
            "model_card", "model_folder", "moh_to_hf_state_dict", "read_weights", "sample"]

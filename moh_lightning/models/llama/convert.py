@@ -111,16 +111,6 @@ def _load_hf_model(source: str, dtype: torch.dtype | None = None):
                       f"config.json and weights, or a hub id reachable from here.") from error
 
 
-def load_hf_weights(model: MoHLlama, source: str) -> None:
-    """Copies a ``transformers`` LLaMA's weights into ``model``, whose shapes must match the checkpoint's."""
-    hf = _load_hf_model(source)
-    state = hf_to_moh_state_dict(hf.state_dict(), model.config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if ".router." not in k]:
-        raise ValueError(f"LLaMA checkpoint {source!r} does not match model.init_args.arch (missing {missing}, "
-                         f"unexpected {unexpected}); build model.init_args.arch with llm_config_from_hf.")
-
-
 def from_hf(source: str, num_shared_heads: int | None = None, top_k: int | None = None, dense: bool = False,
             dtype: torch.dtype | None = None) -> MoHLlama:
     """A ``MoHLlama`` with the weights of a ``transformers`` LLaMA (folder or hub id); see ``llm_config_from_hf``."""
@@ -269,4 +259,4 @@ def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str =
 
 
 __all__ = ["ROUTER_LINEARS", "export_hf", "from_hf", "hf_config_for", "hf_to_moh_state_dict", "layer_budgets",
-           "llm_config_from_hf", "load_hf_weights", "model_card", "moh_to_hf_state_dict"]
+           "llm_config_from_hf", "model_card", "moh_to_hf_state_dict"]

@@ -123,6 +123,11 @@ class MoHLlama(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
+    @property
+    def block_size(self) -> int:
+        """The longest sequence the model takes (the tools read it from every language model)."""
+        return self.config.block_size
+
     def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``idx`` (B, T); with ``kv_caches`` the tokens continue the cached ones.

@@ -118,15 +118,18 @@ def test_convert_tool_and_continue_tuning_init(llama_folder, tmp_path):
     assert loaded.config.moh_num_shared_heads == 4 and loaded.config.moh_top_k == 2
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
 
+    # Continue-tuning runs transformers' own LLaMA with the source's shapes (tests/models/hf_causal/ for every family);
+    # an arch that repeats them, as llm_config_from_hf gives, is accepted.
     hf = LlamaForCausalLM.from_pretrained(llama_folder)
     task = LanguageModel(llm_config_from_hf(hf.config), init_from=str(llama_folder))
     task.configure_model()  # outside a fit: fresh weights
-    assert not torch.equal(task.model.embed.weight, hf.model.embed_tokens.weight)
-    task = LanguageModel(llm_config_from_hf(hf.config), init_from=str(llama_folder))
+    assert not torch.equal(task.model.hf.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    task = LanguageModel(llm_config_from_hf(hf.config), init_from=str(tmp_path / "out"))
     task.trainer = L.Trainer(logger=False)
     task.trainer.state.fn = TrainerFn.FITTING
     task.configure_model()  # a fresh fit of the continue-tuning config loads the pretrained weights here
-    torch.testing.assert_close(task.model.blocks[1].mlp.down_proj.weight, hf.model.layers[1].mlp.down_proj.weight)
+    torch.testing.assert_close(task.model.hf.model.layers[1].mlp.down_proj.weight,
+                               hf.model.layers[1].mlp.down_proj.weight)
 
 
 def test_conversion_errors_are_clear(tmp_path):

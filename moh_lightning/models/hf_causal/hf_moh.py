@@ -1,0 +1,149 @@
+"""Mixture-of-Head attention for any ``transformers`` causal LM, through its attention interface (remote code).
+
+``moh convert-hf`` and ``moh export-hf`` copy this file beside the weights of a MoH model of any family whose
+attention goes through ``transformers.AttentionInterface`` (Qwen2/3, Mistral, Phi-3, Gemma 2, LLaMA, ...), so that
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` and lm-eval's ``hf`` model load it without
+this package. The family's own modelling code runs unchanged: the weights keep its names and its ``config.json`` keeps
+every field of the source, plus
+
+* ``model_type: "moh"`` (so that loading without ``trust_remote_code`` stops instead of silently running every head)
+  and ``moh_base_model_type``, the family's ``model_type``;
+* ``moh_num_shared_heads`` / ``moh_top_k``: the head budget, one int for every layer or a list with one per layer;
+* ``moh_router: "query_norm"`` and ``moh_router_dtype`` (``"float32"``, or ``"activation"`` as the authors' code).
+
+The MoH attention is registered as the implementations ``moh_sdpa`` and ``moh_eager``: each computes the family's
+``sdpa`` or ``eager`` attention (softcapping, sliding windows and scalings included) and multiplies each head's output
+by its gate before the output projection. Gates are the parameter-free query-norm router's of paper section 4.4: the
+first ``moh_num_shared_heads`` heads always 1, and among the others the ``moh_top_k`` heads with the largest query
+norm over the standard deviation of those norms 1, the rest 0. The attention interface passes the queries after
+rotary embedding, which keeps each head's norm. With every head kept the model computes exactly the family's logits.
+
+This file may import only torch and transformers. ``moh_lightning`` trains such a model by attaching its own
+routing module (``moh_heads``) to each attention layer; the registered function hands those layers to it.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.auto import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
+
+#: The family attention each MoH implementation gates, and the mask it takes.
+BASES = {"sdpa": sdpa_mask, "eager": eager_mask}
+
+
+def query_norm_gates(query: torch.Tensor, num_shared_heads: int, top_k: int,
+                     score_dtype: str = "float32") -> torch.Tensor:
+    """{0, 1} gates (B, T, h) of the queries (B, h, T, d), scored in ``score_dtype``."""
+    batch, heads, length, _ = query.shape
+    gates = query.new_ones(batch, length, heads)
+    if num_shared_heads == heads:
+        return gates
+    routed = query[:, num_shared_heads:]
+    norms = (routed.float() if score_dtype == "float32" else routed).norm(dim=-1).transpose(1, 2)   # (B, T, E)
+    probs = (norms / norms.std(-1, keepdim=True).clamp_min(1e-6)).softmax(-1)
+    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, probs.topk(top_k, dim=-1).indices, True)
+    gates[..., num_shared_heads:] = selected.to(gates.dtype)
+    return gates
+
+
+def layer_budget(config, index: int) -> tuple[int, int]:
+    """(shared heads, routed heads kept per token) of layer ``index``."""
+    shared, top_k = config.moh_num_shared_heads, config.moh_top_k
+    return (shared[index] if isinstance(shared, list) else shared,
+            top_k[index] if isinstance(top_k, list) else top_k)
+
+
+def family_attention(module: torch.nn.Module, base: str):
+    """The family's ``base`` attention function: ``sdpa`` from the registry, ``eager`` from the family's modelling
+    file, where it may differ from other families' (Gemma 2's soft-caps its scores)."""
+    if base == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _moh_attention(base: str):
+    def moh_attention(module, query, key, value, attention_mask, **kwargs):
+        heads = getattr(module, "moh_heads", None)
+        if heads is not None:  # a layer moh_lightning trains: its routing module gates and attends
+            return heads(module, query, key, value, attention_mask, base=base, **kwargs)
+        out, weights = family_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
+        config = module.config
+        gates = query_norm_gates(query, *layer_budget(config, module.layer_idx), config.moh_router_dtype)
+        return out * gates[..., None].to(out.dtype), weights                           # (B, T, h, d)
+
+    moh_attention.__name__ = f"moh_{base}_attention"
+    return moh_attention
+
+
+def register() -> None:
+    """Registers ``moh_sdpa`` and ``moh_eager`` with transformers' attention and mask interfaces."""
+    for base, mask in BASES.items():
+        AttentionInterface.register(f"moh_{base}", _moh_attention(base))
+        AttentionMaskInterface.register(f"moh_{base}", mask)
+
+
+def moh_implementation(model_class: type, requested: str | None) -> str:
+    """The MoH implementation over ``requested`` (None: the family's default attention, ``sdpa`` where it supports
+    it, else ``eager``); an implementation whose output the gates cannot reach stops in one line."""
+    base = requested.removeprefix("moh_") if requested else ("sdpa" if model_class._supports_sdpa else "eager")
+    if base not in BASES:
+        raise ValueError(f"attn_implementation={requested!r}: MoH gates the heads of 'sdpa' or 'eager' attention; "
+                         f"load with one of those (or none).")
+    if base == "sdpa" and not model_class._supports_sdpa:
+        raise ValueError(f"attn_implementation='sdpa': {model_class.__name__} does not support it; load with "
+                         f"'eager' (or none).")
+    return f"moh_{base}"
+
+
+def family_config(config_dict: dict, **kwargs):
+    """The family's own config class, built from a MoH ``config.json``'s dict (its ``moh_*`` fields kept)."""
+    model_type = config_dict.get("moh_base_model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"moh_base_model_type={model_type!r} in config.json: give the model_type of a "
+                         f"transformers causal LM family.")
+    return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in config_dict.items() if k != "model_type"}, **kwargs)
+
+
+class MoHConfig(PretrainedConfig):
+    """Reads a MoH ``config.json`` as its family's config (``Qwen2Config``, ...), with the ``moh_*`` fields."""
+
+    model_type = "moh"
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        return family_config(config_dict, **kwargs)
+
+
+class MoHForCausalLM(PreTrainedModel):
+    """Loads a MoH folder as its family's ``*ForCausalLM`` with the MoH attention implementation; never built itself.
+
+    ``attn_implementation`` picks the family attention the gates apply to (``sdpa`` or ``eager``).
+    """
+
+    config_class = MoHConfig
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, attn_implementation=None, **kwargs):
+        family = cls._family(config)
+        kwargs.pop("trust_remote_code", None)
+        # AutoModelForCausalLM hands a requested implementation over inside the config it read.
+        requested = attn_implementation or getattr(config, "_attn_implementation_internal", None)
+        return family.from_pretrained(pretrained_model_name_or_path, *args, config=config,
+                                      attn_implementation=moh_implementation(family, requested), **kwargs)
+
+    @classmethod
+    def _from_config(cls, config, attn_implementation=None, **kwargs):
+        family = cls._family(config)
+        return family._from_config(config, attn_implementation=moh_implementation(family, attn_implementation),
+                                   **kwargs)
+
+    @staticmethod
+    def _family(config) -> type:
+        register()
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ValueError(f"{type(config).__name__}: not a transformers causal LM family.")
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

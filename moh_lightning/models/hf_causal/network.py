@@ -1,0 +1,278 @@
+"""Any ``transformers`` causal LM as a MoH decoder, through transformers' attention interface (paper section 4.4).
+
+``HFCausalLM`` holds the family's own model (``Qwen2ForCausalLM``, ``MistralForCausalLM``, ...) unchanged, loaded with
+the MoH attention implementation that ``hf_moh`` registers, and attaches to each attention layer an ``InterfaceHeads``:
+the suite's routing module (``layers.MoHHeads``) with the parameter-free query-norm router. The registered attention
+function hands each layer's queries (after rotary embedding and the family's norms, which keep each head's norm),
+keys, values and mask to it; it gates the heads and attends through the suite's execution dispatch (head-sparse where
+it pays, else the family's own attention with the unselected heads zeroed). So the callbacks, the load-balance loss,
+exact resume and the exported folder treat such a model as they treat MoH-LLaMA, and every setting of the source
+(norm eps, rotary theta and scaling, tied embeddings, biases, sliding windows, soft-capping) is the family's code
+reading the source's config.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
+from moh_lightning.layers.execution import execution_mode
+from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.hf_causal import hf_moh
+from moh_lightning.models.llama.network import sample
+
+#: ``config.json`` ``model_type`` of the folders this suite writes: any family (``hf_moh``) and MoH-LLaMA.
+MOH_MODEL_TYPES = ("moh", "moh_llama")
+#: Keyword arguments of the attention interface that the suite's head-sparse kernels do not compute.
+_FAMILY_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+class InterfaceHeads(MoHHeads):
+    """The MoH routing of one ``transformers`` attention layer, called by the registered MoH attention in its place.
+
+    Args:
+        num_heads: The layer's query heads.
+        num_kv_heads: Its key / value heads.
+        head_dim: The width of one head.
+        num_shared_heads: Heads 0..h_s-1, always active.
+        top_k: Routed heads kept per token.
+        router_dtype: Precision of the query-norm scores (``QueryNormRouter``).
+        execution: ``masked``, ``sparse`` or ``auto`` (``layers.execution``).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_shared_heads: int, top_k: int,
+                 router_dtype: str = "float32", execution: str = "auto") -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal = True
+        self.execution = execution_mode(execution, "moh.execution")
+        self.router = QueryNormRouter(num_heads, num_shared_heads, check_head_budget(num_heads, num_shared_heads,
+                                                                                     top_k), router_dtype)
+
+    def sequence_length(self, args: tuple) -> int:
+        return args[1].shape[2]  # (module, query (B, h, T, d), ...)
+
+    def forward(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, base: str = "sdpa", scaling: float | None = None,
+                dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gated head outputs (B, T, h, d) of ``module``'s queries (B, h, T, d) over its keys and values, and the
+        family attention's weights when it computed them."""
+        gates = self.route(None, query)
+        num_queries, num_keys = query.shape[2], key.shape[2]
+        decoding = num_keys > num_queries
+        if self._suite_core_fits(query, scaling, kwargs) and self._head_sparse(gates, num_queries, num_keys,
+                                                                                decoding, causal=True):
+            # No mask from transformers means plain causal attention of the last queries over every key.
+            out = self.attend(query, key, value, gates, causal=attention_mask is None and num_queries > 1,
+                              offset=num_keys - num_queries, attn_mask=attention_mask, decoding=decoding,
+                              dropout_p=dropout)
+            return out, None
+        out, weights = hf_moh.family_attention(module, base)(module, query, key, value, attention_mask,
+                                                              scaling=scaling, dropout=dropout, **kwargs)
+        return out * gates[..., None].to(out.dtype), weights
+
+    def _suite_core_fits(self, query: torch.Tensor, scaling: float | None, kwargs: dict) -> bool:
+        """Whether the suite's kernels compute this layer's attention: SDPA's scale and none of soft-capping,
+        attention sinks or position biases. ``execution='sparse'`` on a layer they cannot compute stops."""
+        default_scale = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-12
+        extras = [name for name in _FAMILY_ONLY if kwargs.get(name) is not None]
+        fits = default_scale and not extras
+        if not fits and self.execution == "sparse":
+            reason = f"its {', '.join(extras)}" if extras else f"its scale {scaling:g} (not 1/sqrt(head_dim))"
+            raise ValueError(f"moh.execution=sparse: the head-sparse kernels cannot compute this family's attention "
+                             f"({reason}); use auto or masked.")
+        return fits
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM with MoH attention in every layer: token ids (B, T) to logits (B, T, vocab).
+
+    Built by ``build_hf_causal``; ``hf`` is the family's model, whose state dict keys are the family's own.
+    """
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf.train()  # from_pretrained returns it in eval mode; a new module trains until told
+        self.block_size = int(getattr(hf.config, "max_position_embeddings", None) or 2048)
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=idx, use_cache=False).logits
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k_tokens: int | None = None, top_p: float = 1.0, eos_id: int | None = None,
+                 seed: int | None = None) -> torch.Tensor:
+        """Continues ``idx`` (B, T) as ``MoHLlama.generate`` does, one token per forward through the family's cache;
+        the router runs on every decoded token."""
+        from transformers import DynamicCache
+
+        batch, length = idx.shape
+        total = min(length + max_new_tokens, self.block_size)
+        cache = DynamicCache(config=self.hf.config)
+        generator = torch.Generator(device=idx.device)
+        if seed is not None:
+            generator.manual_seed(seed)
+        out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
+        logits = self.hf(input_ids=idx, cache=cache, use_cache=True).logits[:, -1]
+        for _ in range(total - length):
+            token = sample(logits, temperature, top_k_tokens, top_p, generator)                 # (B, 1)
+            if eos_id is not None:
+                token = token.masked_fill(done[:, None], eos_id)
+                done |= token[:, 0] == eos_id
+            out = torch.cat([out, token], dim=1)
+            if done.all() or out.shape[1] == total:
+                break
+            logits = self.hf(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+        return out
+
+
+def read_source_config(source: str) -> dict:
+    """The ``transformers`` config of ``source`` (a folder or hub id) as a dict, read without running its code.
+
+    A folder written by ``moh convert-hf`` / ``moh export-hf`` reads as its family's config with its ``moh_*`` head
+    budget; one written by ``moh convert-llama`` as a LLaMA config. Only ``config.json`` is read (a hub id downloads
+    that file alone), so the shapes are known before anything is built.
+    """
+    from transformers import AutoConfig
+
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        file = folder / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"init_from={source!r}: no config.json in the folder; give a transformers model "
+                                    f"folder (written by save_pretrained, moh convert-hf or moh export-hf).")
+        raw = json.loads(file.read_text())
+    else:
+        try:
+            raw = AutoConfig.from_pretrained(source, trust_remote_code=False).to_dict()
+        except (OSError, ValueError) as error:
+            reason = str(error).strip().splitlines()[0]
+            raise OSError(f"init_from={source!r}: cannot read its config ({reason}); give a local folder with "
+                          f"config.json and weights, or a hub id reachable from here.") from None
+    return family_config(raw, source).to_dict()
+
+
+def family_config(raw: dict, source: str = "config"):
+    """The family's ``transformers`` config from a ``config.json`` dict, MoH folders included."""
+    from transformers.models.auto import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if model_type == "moh":
+        return hf_moh.family_config(raw)
+    if model_type == "moh_llama":
+        raw = {**raw, "model_type": "llama"}
+        model_type = "llama"
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{source}: model_type={model_type!r} is not a transformers model family; give a causal LM "
+                         f"whose family transformers knows.")
+    return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in raw.items() if k not in ("auto_map",)})
+
+
+def default_budget(num_heads: int) -> tuple[int, int]:
+    """Paper section 4.4's split for a pretrained model: the first half of the heads shared, half of the routed
+    heads kept per token (75% active)."""
+    shared = num_heads // 2
+    return shared, max(1, (num_heads - shared) // 2) if num_heads > shared else 0
+
+
+def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
+    """(shared heads, routed heads kept) per layer of the family ``config`` under ``moh``.
+
+    ``moh``'s budget when it sets one; else the budget a MoH source folder carries (``moh_*``); else
+    ``default_budget``. Only the query-norm router fits a pretrained model through the attention interface.
+    """
+    if moh.router != "query_norm":
+        raise ValueError(f"moh.router={moh.router!r}: continue-tuning a transformers model takes the parameter-free "
+                         f"router (set moh.router: query_norm); transformers' attention interface passes the queries, "
+                         f"not the layer input a learned router reads.")
+    heads, depth = getattr(config, "num_attention_heads", None), config.num_hidden_layers
+    if not heads:
+        raise ValueError(f"model_type={config.model_type!r}: this family has no attention heads "
+                         f"(num_attention_heads) for MoH to gate; convert a model with multi-head attention.")
+    if moh.num_shared_heads != 0 or moh.top_k is not None:
+        return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(heads, depth)]
+    if getattr(config, "moh_num_shared_heads", None) is not None:
+        return [hf_moh.layer_budget(config, i) for i in range(depth)]
+    return [default_budget(heads)] * depth
+
+
+def attention_layers(hf: nn.Module) -> list[nn.Module]:
+    """The attention modules of a ``transformers`` model, in layer order; a model whose attention does not go
+    through the attention interface stops in one line naming it."""
+    name = type(hf).__name__
+    layers = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not type(hf)._can_set_attn_implementation() or not layers:
+        raise ValueError(f"{name}: its attention does not go through transformers' attention interface, where MoH "
+                         f"gates the heads; convert a model whose family does (Qwen2/3, Mistral, Phi-3, Gemma 2, "
+                         f"LLaMA, ...).")
+    if len(layers) != hf.config.num_hidden_layers:
+        raise ValueError(f"{name}: found {len(layers)} attention layers for num_hidden_layers="
+                         f"{hf.config.num_hidden_layers}; this family is not supported.")
+    return layers
+
+
+def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = None,
+                    dtype: torch.dtype | None = None) -> HFCausalLM:
+    """``HFCausalLM`` of the family ``config`` (a ``read_source_config`` dict) with ``moh``'s head budget
+    (``head_budget``; None: dense), with the weights of the folder or hub id ``weights`` or freshly initialised.
+
+    ``dtype`` is the weights' dtype (default: torch's default dtype, which the precision plugin sets while Lightning
+    builds the model).
+    """
+    from transformers import AutoModelForCausalLM
+
+    family = family_config(config)
+    implementation = None
+    budget = None
+    if moh is not None:
+        budget = head_budget(moh, family)
+        hf_moh.register()
+        family_class = _family_class(family)
+        implementation = hf_moh.moh_implementation(family_class, None)
+        shared, top_k = (list(values) for values in zip(*budget, strict=True))
+        family.moh_num_shared_heads = shared[0] if len(set(shared)) == 1 else shared
+        family.moh_top_k = top_k[0] if len(set(top_k)) == 1 else top_k
+        family.moh_router, family.moh_router_dtype = "query_norm", moh.router_dtype
+    dtype = dtype or torch.get_default_dtype()
+    if weights is None:
+        hf = AutoModelForCausalLM.from_config(family, attn_implementation=implementation, dtype=dtype)
+    else:
+        hf = _from_pretrained(weights, family, implementation, dtype)
+    if budget is not None:
+        for layer, (shared, top_k) in zip(attention_layers(hf), budget, strict=True):
+            heads = family.num_attention_heads
+            layer.moh_heads = InterfaceHeads(heads, getattr(family, "num_key_value_heads", None) or heads,
+                                             getattr(family, "head_dim", None) or family.hidden_size // heads, shared,
+                                             top_k, moh.router_dtype, moh.execution)
+    return HFCausalLM(hf)
+
+
+def _family_class(config) -> type:
+    from transformers.models.auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"model_type={config.model_type!r}: transformers has no causal LM of this family.")
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def _from_pretrained(source: str, config, implementation: str | None, dtype: torch.dtype):
+    """The family's model with the weights of ``source``, read by the family's own class (a MoH folder's remote code
+    is this package's and never runs)."""
+    try:
+        return _family_class(config).from_pretrained(source, config=config, attn_implementation=implementation,
+                                                     dtype=dtype)
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0]
+        raise OSError(f"init_from={source!r}: cannot load its weights ({reason}); give a local folder with "
+                      f"config.json and weights, or a hub id reachable from here.") from None
+
+
+__all__ = ["HFCausalLM", "InterfaceHeads", "MOH_MODEL_TYPES", "attention_layers", "build_hf_causal",
+           "default_budget", "family_config", "head_budget", "read_source_config"]
