@@ -240,6 +240,7 @@ class MoHLightningCLI(LightningCLI):
             self._resume_last(config, init_args)
         if self.subcommand in EVALUATIONS and init_args is not None:
             self._beside_its_run(config, init_args)
+        _tokenizer_of_init_from(config)
         accelerator = config.trainer.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             raise SystemExit(f"moh: trainer.accelerator={accelerator} but this machine has no CUDA GPU; run the same "
@@ -311,6 +312,20 @@ class MoHLightningCLI(LightningCLI):
         one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
         if self.subcommand and isinstance(self.model, MoHTask):
             self.model.restores_checkpoint = bool(self.config[self.subcommand].get("ckpt_path"))
+
+
+def _tokenizer_of_init_from(config) -> None:
+    """A language model continue-tuned from a pretrained one (``init_from``) reads that model's tokenizer unless the
+    data module names another: the byte default would feed it ids its embedding never learnt."""
+    model, data = config.get("model"), config.get("data")
+    model_args, data_args = getattr(model, "init_args", None), getattr(data, "init_args", None)
+    if model_args is None or data_args is None or not str(getattr(model, "class_path", "")).endswith("LanguageModel"):
+        return
+    init_from = model_args.get("init_from")
+    if init_from and data_args.get("tokenizer") == "byte":
+        data_args.tokenizer = init_from
+        print(f"moh: data.init_args.tokenizer={init_from} (init_from's own; --data.init_args.tokenizer gives another)",
+              file=sys.stderr)
 
 
 def one_thread_per_forked_cpu_process(trainer) -> None:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
@@ -102,8 +103,13 @@ class HFCausalLM(nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx, use_cache=False).logits
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``idx`` (B, T), or with ``targets`` (B, T) their mean cross-entropy in float32 (as
+        ``MoHLlama``'s, which the task asks for the loss)."""
+        logits = self.hf(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
