@@ -51,6 +51,8 @@ class ImageClassifier(MoHTask):
             a weights file (a dense timm ViT, an ``moh export-timm`` folder's file). Loaded when a run starts, with a
             line saying what was loaded; a run that restores a checkpoint (``--ckpt_path``) ends with its weights.
             ``arch.pretrained``, its name before every task used ``init_from``, still works, with a warning.
+        class_names: The name of each class, in label order; ``moh`` links it from the data module, so the
+            checkpoint carries it. None: classes by number.
     """
 
     head_load_group_name = "class"
@@ -74,6 +76,7 @@ class ImageClassifier(MoHTask):
             init_from: str | None = None,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            class_names: list[str] | None = None,
     ) -> None:
         super().__init__(load_balance_beta, compile, activation_checkpointing)
         self.save_hyperparameters()
