@@ -196,7 +196,8 @@ def _num_timesteps(pl_module: LightningModule) -> int:
 
 
 def _group_labels(trainer: Trainer, pl_module: LightningModule, kind: str, count: int) -> list[str]:
-    """Readable names of the groups: timestep ranges, text sources by file name, image classes by folder name."""
+    """Readable names of the groups, in id order: timestep ranges, text sources by file name, image classes by the
+    names the task was given (its ``class_names``, the data module's class folders), else the data's own."""
     if kind == "timestep":
         total = _num_timesteps(pl_module)
         edges = [round(i * total / count) for i in range(count + 1)]
@@ -210,6 +211,9 @@ def _group_labels(trainer: Trainer, pl_module: LightningModule, kind: str, count
         classes = getattr(getattr(datamodule, attribute, None), "classes", None)
         if kind == "class" and classes:
             names = [str(name) for name in classes]
+    given = getattr(pl_module, "hparams", {}).get("class_names")
+    if kind == "class" and given:
+        names = [str(name) for name in given]
     if names and len(names) >= count:
         return [f"{i}: {names[i]}" if names[i] != str(i) else str(i) for i in range(count)]
     return [str(i) for i in range(count)]
