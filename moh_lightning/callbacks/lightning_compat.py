@@ -105,31 +105,31 @@ class MoHRichProgressBar(RichProgressBar):
     against ``max_steps`` ("Epoch 12, step 3504/10000"), from where a resumed run starts.
     """
 
-    def _by_steps(self) -> bool:
+    def counts_steps(self) -> bool:
         trainer = self.trainer
         return trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0
 
     @property
     def total_train_batches(self) -> int | float:
-        return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+        return self.trainer.max_steps if self.counts_steps() else super().total_train_batches
 
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs != -1:
             return super()._get_train_description(current_epoch)
-        label = f"Epoch {current_epoch}, step" if self._by_steps() else f"Epoch {current_epoch}"
+        label = f"Epoch {current_epoch}, step" if self.counts_steps() else f"Epoch {current_epoch}"
         # Padded to the validation bar's label, as Lightning pads it, so the bars do not flicker.
         return label.ljust(len(self.validation_description))
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        self._show_step(trainer)
+        self.show_step(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._show_step(trainer)
+        self.show_step(trainer)
 
-    def _show_step(self, trainer: Trainer) -> None:
-        if self._by_steps() and self.progress is not None and self.train_progress_bar_id is not None:
+    def show_step(self, trainer: Trainer) -> None:
+        if self.counts_steps() and self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, completed=trainer.global_step)
 
     def get_metrics(self, trainer: Trainer, pl_module) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class ImageClassifier(MoHTask):
     """
 
     head_load_group_name = "class"
+    hparam_metrics = ("val/loss", "val/acc1")
     #: Classes per image that ``predict_step`` returns (as the top-5 accuracy), fewer when the model has fewer.
     predict_top_k = 5
 
