@@ -106,6 +106,7 @@ class MoHRichProgressBar(RichProgressBar):
     """
 
     def counts_steps(self) -> bool:
+        """Whether ``max_steps`` ends the run (epochs unlimited): the bar then counts steps, not an epoch's batches."""
         trainer = self.trainer
         return trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0
 
@@ -129,6 +130,7 @@ class MoHRichProgressBar(RichProgressBar):
         self.show_step(trainer)
 
     def show_step(self, trainer: Trainer) -> None:
+        """Puts the training bar at the run's optimizer step when it counts steps."""
         if self.counts_steps() and self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, completed=trainer.global_step)
 
