@@ -358,15 +358,16 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     def _split_dir(self, split: str) -> Path:
         path = self.data_dir / split
         if not path.is_dir() and split == "test":
-            layout = "a flat folder holds training and validation images only" if self.flat else "no 'test/' there"
+            layout = ("a flat folder holds training and validation images only" if self.flat
+                      else "no 'test/' folder there")
             raise MissingDataError(
                 f"data.init_args.data_dir={self.hparams.data_dir!r}: {layout}, so no test split to score; add "
                 f"test/<class>/ images held out from training and validation (beside train/ and val/), or score the "
                 f"validation split with `moh validate`.")
         if not path.is_dir():
             raise MissingDataError(
-                f"data.init_args.data_dir={self.hparams.data_dir!r}: a 'train/' folder but no '{split}/' beside it; "
-                f"add val/<class>/ images, or move the class folders up into data_dir to have a seeded "
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: a 'train/' folder but no '{split}/' folder "
+                f"beside it; add val/<class>/ images, or move the class folders up into data_dir to have a seeded "
                 f"val_fraction of them held out for you.")
         return path
 

@@ -92,7 +92,7 @@ def test_folder_errors_name_both_layouts(tmp_path):
         ImageFolderDataModule(str(tmp_path / "missing")).setup("fit")
     (tmp_path / "split" / "train" / "a").mkdir(parents=True)
     Image.fromarray(np.zeros((8, 8), np.uint8), mode="L").save(tmp_path / "split" / "train" / "a" / "0.png")
-    with pytest.raises(MissingDataError, match="no 'val/' beside it"):
+    with pytest.raises(MissingDataError, match="no 'val/' folder beside it"):
         ImageFolderDataModule(str(tmp_path / "split")).setup("fit")
 
 
