@@ -226,9 +226,14 @@ class MoHLightningCLI(LightningCLI):
         # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
         # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
         # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
-        # whose target the task's arch lacks (LlamaConfig has no num_classes, ViTConfig no vocab_size).
-        for key in ("num_classes", "vocab_size", "in_chans"):
+        # whose target the task's arch lacks (LlamaConfig has no num_classes, ViTConfig no vocab_size). A link must
+        # not name a target that a task combined with that data module lacks: jsonargparse 4.53 would still pass the
+        # value into the task's recorded hyper-parameters, and its checkpoint would not load. So every image task
+        # takes img_size (a pixel-space DiT's input_size) and class_names.
+        for key in ("num_classes", "vocab_size", "in_chans", "img_size"):
             parser.link_arguments(f"data.{key}", f"model.init_args.arch.{key}", apply_on="instantiate")
+        # The class names travel with the checkpoint, for `moh sample --classes` and the per-class views.
+        parser.link_arguments("data.class_names", "model.init_args.class_names", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -96,11 +96,46 @@ def set_train_loader_states(checkpoint: dict[str, Any], states: list) -> None:
 
 
 class MoHRichProgressBar(RichProgressBar):
-    """Lightning's Rich progress bar, with no epoch total where epochs are unlimited (``max_epochs: -1``, as when a
-    language model's token budget ends training): Lightning 2.6 shows "Epoch 0/-2" there, 2.7 "Epoch 0" (PR 21924)."""
+    """Lightning's Rich progress bar, with the run's progress where its length is a number of steps, and without the
+    logger's version number among the metrics.
+
+    Where epochs are unlimited (``max_epochs: -1``) and ``max_steps`` ends training (the DiT configs, a language
+    model's token budget), Lightning 2.6 counts the batches of the current epoch ("Epoch 12 120/282" of a
+    10,000-step run) and labels it "Epoch 12/-2" (2.7: "Epoch 12", PR 21924); this bar counts the run's optimizer steps
+    against ``max_steps`` ("Epoch 12, step 3504/10000"), from where a resumed run starts.
+    """
+
+    def counts_steps(self) -> bool:
+        """Whether ``max_steps`` ends the run (epochs unlimited): the bar then counts steps, not an epoch's batches."""
+        trainer = self.trainer
+        return trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self.counts_steps() else super().total_train_batches
 
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs != -1:
             return super()._get_train_description(current_epoch)
+        label = f"Epoch {current_epoch}, step" if self.counts_steps() else f"Epoch {current_epoch}"
         # Padded to the validation bar's label, as Lightning pads it, so the bars do not flicker.
-        return f"Epoch {current_epoch}".ljust(len(self.validation_description))
+        return label.ljust(len(self.validation_description))
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self.show_step(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.show_step(trainer)
+
+    def show_step(self, trainer: Trainer) -> None:
+        """Puts the training bar at the run's optimizer step when it counts steps."""
+        if self.counts_steps() and self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, completed=trainer.global_step)
+
+    def get_metrics(self, trainer: Trainer, pl_module) -> dict[str, Any]:
+        # The logger's version ("v_num: 0") is the run folder's number, which the run's first line and summary name.
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics

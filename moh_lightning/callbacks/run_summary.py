@@ -1,4 +1,5 @@
-"""The lines a finished ``moh fit`` ends on: where the run went, how it did, and the head budget it used."""
+"""What a ``moh fit`` leaves: the lines a finished run ends on (where the run went, how it did, the head budget it
+used), and no empty run folder from a run that failed before its first step."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +20,12 @@ class RunSummary(Callback):
     The run folder; the monitored metric's best and final value and the checkpoint holding the best (the first
     ``ModelCheckpoint`` with a metric to monitor; else the final ``val/loss`` and ``last.ckpt``); the head budget
     the model used (share of heads active per token, routed heads that collapsed); and the ``tensorboard`` command
-    that opens the run.
+    that opens the run beside the others of its save folder, to compare them.
+
+    A fresh run that fails before its first step (a missing folder, a bad value found in ``setup``, Ctrl-C) has
+    written only what every run writes at its start: its events file, ``config.yaml`` and ``hparams.yaml``. Those are
+    removed with the then empty folder, so the next run takes its number and ``--ckpt_path last`` finds no empty
+    run; a folder holding anything else, and a resumed run's, stay.
     """
 
     def __init__(self) -> None:
@@ -30,6 +36,26 @@ class RunSummary(Callback):
         log_dir = trainer.log_dir  # a broadcast from rank 0 under DDP / FSDP: every rank must ask
         if trainer.is_global_zero and not trainer.fast_dev_run:
             self._lines = summary_lines(trainer, pl_module, log_dir)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if trainer.state.fn != "fit" or trainer.global_step > 0 or trainer.ckpt_path or not trainer.is_global_zero:
+            return
+        board = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
+        folder = Path(board.log_dir) if board is not None else None
+        if folder is None or not folder.is_dir():
+            return
+        entries = list(folder.iterdir())
+        events = [entry for entry in entries if entry.name.startswith("events.out.tfevents.")]
+        # One events file, this run's: a folder another run wrote into (an explicit version) has two or more.
+        if len(events) != 1 or any(entry.name not in ("config.yaml", board.NAME_HPARAMS_FILE)
+                                   for entry in entries if entry not in events):
+            return
+        board.experiment.close()  # the logger's finalize, next, writes nothing more into a closed writer
+        for entry in entries:
+            entry.unlink()
+        folder.rmdir()
+        if folder.parent != Path(board.save_dir) and not any(folder.parent.iterdir()):
+            folder.parent.rmdir()  # runs/<name>/ of a name's first run
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._lines:
@@ -62,7 +88,7 @@ def summary_lines(trainer: Trainer, pl_module: LightningModule, log_dir: str | N
     lines.append(f"  head budget: {budget}")
     board = next((logger for logger in loggers if isinstance(logger, TensorBoardLogger)), None)
     if board is not None:
-        lines.append(f"  dashboards:  tensorboard --logdir {Path(board.root_dir)}")
+        lines.append(f"  dashboards:  tensorboard --logdir {Path(board.save_dir)}")
     return lines
 
 

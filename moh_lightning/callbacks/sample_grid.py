@@ -49,6 +49,11 @@ class SampleGridCallback(Callback):
         self._vae = None
         self._reference = None
 
+    @property
+    def hparam_metrics(self) -> tuple[str, ...]:
+        """What this callback adds to the metrics runs are compared by (TensorBoard's HParams columns)."""
+        return ("samples/fid", "samples/sfid") if self.fid_num_samples else ()
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError("SampleGridCallback samples on rank 0 alone, which FSDP's sharded model cannot do: "

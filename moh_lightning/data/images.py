@@ -5,6 +5,7 @@ split once with a fixed seed into train and validation.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from pathlib import Path
@@ -82,7 +83,7 @@ def _normalisation(in_chans: int, mean, std, default_mean, default_std) -> tuple
     if in_chans == 1 and len(mean) == 3 and len(std) == 3 and (mean, std) == (tuple(default_mean),
                                                                             tuple(default_std)):
         mean, std = (sum(mean) / 3,), (sum(std) / 3,)
-    if in_chans == 3 and len(mean) == 1 and (mean, std) == (tuple(default_mean), tuple(default_std)):
+    if in_chans == 3 and len(mean) == 1 and len(std) == 1:  # one value for every channel, as [0.5] for [-1, 1]
         mean, std = mean * 3, std * 3
     if len(mean) != in_chans or len(std) != in_chans:
         raise ValueError(f"data.init_args.mean={list(mean)} / std={list(std)}: give one value per channel "
@@ -91,15 +92,18 @@ def _normalisation(in_chans: int, mean, std, default_mean, default_std) -> tuple
 
 
 def image_transforms(img_size: int, in_chans: int, crop_scale, hflip: float, auto_augment, re_prob: float,
-                     interpolation: str, crop_pct: float, mean, std, on_device: bool = False):
+                     interpolation: str, crop_pct: float, mean, std, on_device: bool = False, ratio=None,
+                     color_jitter: float = 0.4):
     """timm's ``create_transform`` for training and for validation, with timm's own argument names.
 
-    ``on_device``: the loader workers crop, flip and augment only, and hand over uint8 tensors (a quarter of float32's
-    bytes to copy); normalisation and Random Erasing run on the device after the copy (``DeviceAugment``), as timm's
-    ``PrefetchLoader`` does.
+    ``ratio`` is the random-resized crop's aspect-ratio range (None: timm's 3/4-4/3); ``color_jitter`` applies only
+    without ``auto_augment``, as in timm. ``on_device``: the loader workers crop, flip and augment only, and hand over
+    uint8 tensors (a quarter of float32's bytes to copy); normalisation and Random Erasing run on the device after the
+    copy (``DeviceAugment``), as timm's ``PrefetchLoader`` does.
     """
     size = (in_chans, img_size, img_size)
     train = create_transform(size, is_training=True, scale=tuple(crop_scale), hflip=hflip,
+                             ratio=tuple(ratio) if ratio is not None else None, color_jitter=color_jitter,
                              auto_augment=auto_augment, re_prob=re_prob, interpolation=interpolation,
                              mean=mean, std=std, use_prefetcher=on_device)
     return train, eval_transform(img_size, in_chans, interpolation, crop_pct, mean, std, on_device)
@@ -133,8 +137,10 @@ class DeviceAugment:
         """(training, validation) transforms of this module's switches, finished on the device when ``device_side``."""
         hp = self.hparams
         self._device_side = self.device_side()
+        # ratio and color_jitter are the folder module's; the others keep timm's defaults.
         return image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment, hp.re_prob,
-                                hp.interpolation, hp.crop_pct, self.mean, self.std, on_device=self._device_side)
+                                hp.interpolation, hp.crop_pct, self.mean, self.std, on_device=self._device_side,
+                                ratio=hp.get("ratio"), color_jitter=hp.get("color_jitter", 0.4))
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if not getattr(self, "_device_side", False) or not isinstance(batch, (tuple, list)) \
@@ -260,18 +266,48 @@ class PredictFolder:
         return DataLoader(images, batch_size=hp.batch_size, num_workers=hp.num_workers)
 
 
-class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
-    """ImageNet's layout: ``data_dir/train/<class>/*.jpg`` and ``data_dir/val/<class>/*.jpg``.
+def held_out(targets: list[int], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices (training, validation) of a labelled list: a seeded ``fraction`` of every class held out.
 
-    Training images get timm's ``create_transform`` (random-resized crop with scale ``crop_scale``, flip with
-    probability ``hflip``, RandAugment ``auto_augment``, Random Erasing ``re_prob``), validation images are resized
-    by ``1 / crop_pct`` and centre-cropped; the switches carry timm's names and default to the paper's ImageNet
-    recipe. ``in_chans=1`` reads every image as grayscale (``mean`` / ``std`` then default to ImageNet's averaged
-    over the channels). For small data sets of shapes that flipping changes (digits, letters) set ``hflip: 0`` and
-    a gentler ``crop_scale`` such as ``[0.7, 1.0]``. An unreadable image file stops the run with its name
-    (``on_corrupt="error"``) or is logged, counted and skipped (``"skip"``). ``moh predict`` classifies the images
-    of ``predict_dir`` (``PredictFolder``), naming the classes by the ``train/`` folders; ``device_augment`` finishes
-    the transforms on the GPU (``DeviceAugment``).
+    Per class, so that every class of a small folder is validated (and scored per class) in its share; the same seed
+    gives the same split in every process and every run.
+    """
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(targets)
+    val: list[int] = []
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        val += rng.permutation(members)[:int(round(len(members) * fraction))].tolist()
+    chosen = set(val)
+    return [i for i in range(len(labels)) if i not in chosen], sorted(val)
+
+
+def _subset(images: CheckedImageFolder, indices: list[int], transform) -> CheckedImageFolder:
+    """``images`` restricted to ``indices`` with its own transform (one scan of the folder serves both splits)."""
+    subset = copy.copy(images)
+    subset.samples = [images.samples[i] for i in indices]
+    subset.imgs = subset.samples
+    subset.targets = [images.targets[i] for i in indices]
+    subset.transform = transform
+    subset.skipped = set()
+    return subset
+
+
+class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
+    """A folder of class folders: ImageNet's layout (``train/<class>/``, ``val/<class>/``, optionally ``test/``) or a
+    flat one (``<class>/*.png``), whose validation images are a seeded ``val_fraction`` of each class.
+
+    Classes are numbered by their folders' sorted names (``train/``'s in ImageNet's layout), the same in every split.
+    Training images get timm's ``create_transform`` (random-resized crop with scale ``crop_scale`` and aspect ratio
+    ``ratio``, flip with probability ``hflip``, RandAugment ``auto_augment`` or else ``color_jitter``, Random Erasing
+    ``re_prob``), validation images are resized by ``1 / crop_pct`` and centre-cropped; the switches carry timm's names
+    and default to the paper's ImageNet recipe. ``in_chans=1`` reads every image as grayscale (``mean`` / ``std`` then
+    default to ImageNet's averaged over the channels; one value of either serves every channel). For small data sets of
+    shapes that flipping changes (digits, letters) set ``hflip: 0`` and a gentler ``crop_scale`` such as
+    ``[0.7, 1.0]``; for generation, whole images (``crop_scale`` and ``ratio`` ``[1, 1]``: the centre square) without
+    colour changes. An unreadable image file stops the run with its name (``on_corrupt="error"``) or is logged, counted
+    and skipped (``"skip"``). ``moh predict`` classifies the images of ``predict_dir`` (``PredictFolder``), naming the
+    classes by their folders; ``device_augment`` finishes the transforms on the GPU (``DeviceAugment``).
     """
 
     def __init__(
@@ -292,30 +328,60 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
             in_chans: int = 3,
             device_augment: bool | Literal["auto"] = "auto",
             predict_dir: str | None = None,
+            val_fraction: float = 0.1,
+            split_seed: int = 0,
+            ratio: tuple[float, float] | None = None,
+            color_jitter: float = 0.4,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         if on_corrupt not in ("skip", "error"):
             raise ValueError(f"data.init_args.on_corrupt={on_corrupt!r}: choose 'skip' or 'error'.")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"data.init_args.val_fraction={val_fraction}: give the share of a flat folder's images "
+                             f"held out for validation, between 0 and 1 (e.g. 0.1).")
         self.mean, self.std = _normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
         self.train_set: CheckedImageFolder | None = None
         self.val_set: CheckedImageFolder | None = None
         self.test_set: CheckedImageFolder | None = None
 
+    @property
+    def flat(self) -> bool:
+        """Whether ``data_dir`` holds the class folders itself (no ``train/``)."""
+        return not (self.data_dir / "train").is_dir()
+
+    def _class_root(self) -> Path:
+        """The folder whose sub-folders are the classes: ``train/``, or ``data_dir`` itself when flat."""
+        return self.data_dir if self.flat else self.data_dir / "train"
+
     def _split_dir(self, split: str) -> Path:
         path = self.data_dir / split
         if not path.is_dir() and split == "test":
+            layout = ("a flat folder holds training and validation images only" if self.flat
+                      else "no 'test/' folder there")
             raise MissingDataError(
-                f"data.init_args.data_dir={self.hparams.data_dir!r}: no 'test/' folder there, so no test split to "
-                f"score; add test/<class>/ images held out from training and validation, or score the validation "
-                f"split with `moh validate`.")
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: {layout}, so no test split to score; add "
+                f"test/<class>/ images held out from training and validation (beside train/ and val/), or score the "
+                f"validation split with `moh validate`.")
         if not path.is_dir():
             raise MissingDataError(
-                f"data.init_args.data_dir={self.hparams.data_dir!r}: no '{split}/' folder there. Point "
-                f"--data.init_args.data_dir at a folder with train/<class>/ and val/<class>/ images, or run the "
-                f"embedded default that needs no data: moh fit --config {EMBEDDED_CONFIG}")
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: a 'train/' folder but no '{split}/' folder "
+                f"beside it; add val/<class>/ images, or move the class folders up into data_dir to have a seeded "
+                f"val_fraction of them held out for you.")
         return path
+
+    def _flat_root(self) -> Path:
+        if (self.data_dir / "val").is_dir():
+            raise MissingDataError(f"data.init_args.data_dir={self.hparams.data_dir!r}: a 'val/' folder but no "
+                                   f"'train/' beside it; add train/<class>/ images, or give a flat folder of "
+                                   f"<class>/ folders.")
+        if not self.data_dir.is_dir() or not any(entry.is_dir() for entry in self.data_dir.iterdir()):
+            raise MissingDataError(
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: no class folders there. Point "
+                f"--data.init_args.data_dir at a folder of <class>/ image folders (or train/<class>/ and "
+                f"val/<class>/), or run the embedded default that needs no data: moh fit --config {EMBEDDED_CONFIG}")
+        return self.data_dir
 
     def setup(self, stage: str | None = None) -> None:
         if stage == "predict":  # predict_dir alone: no train/ or val/ folder needed
@@ -323,6 +389,14 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
         hp = self.hparams
         train_tf, val_tf = self.transforms()
         gray = hp.in_chans == 1
+        if self.flat:
+            if stage == "test":
+                self._split_dir("test")
+            images = CheckedImageFolder(self._flat_root(), None, hp.on_corrupt, gray)
+            train, val = held_out(images.targets, hp.val_fraction, hp.split_seed)
+            self.train_set = _subset(images, train, train_tf)
+            self.val_set = _subset(images, val, val_tf)
+            return
         classes = sorted(entry.name for entry in self._split_dir("train").iterdir() if entry.is_dir())
         if stage == "test":
             self.test_set = CheckedImageFolder(self._split_dir("test"), val_tf, hp.on_corrupt, gray, classes)
@@ -333,23 +407,29 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
 
     @property
     def num_classes(self) -> int:
-        """The class folders under ``train/``; linked into ``model.init_args.arch.num_classes`` by ``moh``.
+        """The class folders (under ``train/``, or ``data_dir`` when flat); linked into
+        ``model.init_args.arch.num_classes`` by ``moh``.
 
-        Without a ``train/`` folder there is no such attribute (``AttributeError``), so the link keeps the
-        config's value and ``setup`` stops with the missing folder's one-line message.
+        Without them there is no such attribute (``AttributeError``), so the link keeps the config's value and
+        ``setup`` stops with the missing folder's one-line message.
         """
-        path = self.data_dir / "train"
-        if not path.is_dir():
-            raise AttributeError(f"num_classes: no folder {path}")
-        return sum(1 for entry in path.iterdir() if entry.is_dir())
+        names = self.class_names
+        if not names:
+            raise AttributeError(f"num_classes: no class folders in {self._class_root()}")
+        return len(names)
 
     @property
     def class_names(self) -> list[str] | None:
-        """The class folders under ``train/`` in ImageFolder's (sorted) order; None without them."""
+        """The class folders in ImageFolder's (sorted) order, which numbers the labels; None without them."""
         try:
-            return find_classes(str(self.data_dir / "train"))[0]
+            return find_classes(str(self._class_root()))[0]
         except FileNotFoundError:
             return None
+
+    @property
+    def img_size(self) -> int:
+        """The side of the images the model sees; linked into the model's ``img_size`` / ``input_size``."""
+        return self.hparams.img_size
 
     @property
     def in_chans(self) -> int:
@@ -466,12 +546,18 @@ class MNISTDataModule(DeviceAugment, PredictFolder, LightningDataModule):
         return DataLoader(self.val_set, batch_size=256, num_workers=self.hparams.num_workers,
                           persistent_workers=self.hparams.num_workers > 0)
 
-def write_digits_folder(root: str | Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
-    """scikit-learn's 1,797 8x8 digits as a grayscale image folder (``train/<digit>/``, ``val/<digit>/`` PNGs).
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
-    Each digit is upscaled to ``size`` x ``size`` (bilinear), white ink on black; a seeded permutation holds out
-    ``val_fraction`` of the images (1,438 / 359 by default). A small data set of real images that ships in a
-    package, for trying the folder module (``cli_configs/vit_tiny_folder_digits_75.yaml``).
+
+def write_digits_folder(root: str | Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0,
+                        flat: bool = False) -> Path:
+    """scikit-learn's 1,797 8x8 digits as a grayscale image folder.
+
+    Each digit is upscaled to ``size`` x ``size`` (bilinear), white ink on black. By default in ImageNet's layout
+    (``train/<digit>/``, ``val/<digit>/`` PNGs, a seeded permutation holding out ``val_fraction``: 1,438 / 359);
+    ``flat`` writes every image into a folder named by the digit's word (``zero/`` ... ``nine/``), the layout of a
+    folder of one's own images, whose split the data module makes. A small data set of real images that ships in a
+    package, for trying the folder module (``vit_tiny_folder_digits_75.yaml``, ``dit_folder_90.yaml``).
     """
     from sklearn.datasets import load_digits
 
@@ -480,18 +566,20 @@ def write_digits_folder(root: str | Path, size: int = 32, val_fraction: float = 
     order = np.random.default_rng(seed).permutation(len(images))
     num_val = int(round(len(images) * val_fraction))
     root = Path(root).expanduser()
-    for split, indices in (("val", order[:num_val]), ("train", order[num_val:])):
+    splits = (("", order),) if flat else (("val", order[:num_val]), ("train", order[num_val:]))
+    for split, indices in splits:
         for index in indices:
-            folder = root / split / str(digits.target[index])
+            label = int(digits.target[index])
+            folder = root / split / (DIGIT_WORDS[label] if flat else str(label))
             folder.mkdir(parents=True, exist_ok=True)
             image = Image.fromarray(images[index], mode="L").resize((size, size), Image.BILINEAR)
             image.save(folder / f"{index:04d}.png")
     return root
 
 
-if __name__ == "__main__":  # python -m moh_lightning.data.images digits <folder>
+if __name__ == "__main__":  # python -m moh_lightning.data.images digits|digits-flat <folder>
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "digits":
-        sys.exit("usage: python -m moh_lightning.data.images digits <folder>")
-    print(write_digits_folder(sys.argv[2]))
+    if len(sys.argv) != 3 or sys.argv[1] not in ("digits", "digits-flat"):
+        sys.exit("usage: python -m moh_lightning.data.images digits|digits-flat <folder>")
+    print(write_digits_folder(sys.argv[2], flat=sys.argv[1] == "digits-flat"))

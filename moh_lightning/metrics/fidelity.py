@@ -22,16 +22,25 @@ import numpy as np
 import torch
 import torch_fidelity
 from torch.utils.data import Dataset
-from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_featuresdict_to_statistics, fid_statistics_to_metric
-from torch_fidelity.metric_prc import prc_featuresdict_to_metric
+from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
+from torch_fidelity.metric_fid import (
+    KEY_METRIC_FID,
+    fid_features_to_statistics,
+    fid_featuresdict_to_statistics,
+    fid_statistics_to_metric,
+)
+from torch_fidelity.metric_prc import prc_features_to_metric, prc_featuresdict_to_metric
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 from torch_fidelity.utils import create_feature_extractor, extract_featuresdict_from_input_id_cached
 
 from moh_lightning.data.cache import entry_name, file_stats
+from moh_lightning.serialization import load_file
 
 # ADM's evaluator (guided-diffusion evaluations/evaluator.py) scores IS over consecutive chunks of 5,000 samples.
 IS_SPLIT_SIZE = 5000
+
+#: The file torch-fidelity downloads, and the name it looks for in torch hub's checkpoints folder before downloading.
+INCEPTION_FILE = URL_INCEPTION_V3.rsplit("/", 1)[1]
 
 SFID_EXTRACTOR = "inception-v3-compat-sfid"
 SFID_FEATURE = "spatial_2023"
@@ -131,6 +140,18 @@ def reference_cache_name(source: str) -> str:
     return entry_name(Path(source).stem, file_stats(_image_files(source)))
 
 
+def inception_weights_help() -> str:
+    """Where torch-fidelity finds its Inception weights without a network, and how to get them, in words.
+
+    torch-fidelity fetches them with ``torch.hub.load_state_dict_from_url``, which first looks for the file under
+    ``<torch hub>/checkpoints/`` (``$TORCH_HOME/hub``, by default ``~/.cache/torch/hub``) and downloads only when it is
+    not there.
+    """
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    return (f"put {INCEPTION_FILE} into {folder}/ (on a machine with internet: curl -L -O {URL_INCEPTION_V3}), or "
+            f"pass --weights <that file>")
+
+
 def _weights_tag(weights: str | None) -> str:
     """Cache names depend on the Inception weights: a different (e.g. random test) file must not reuse them."""
     if weights is None:
@@ -165,11 +186,13 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     Both are uint8 (N, H, W, 3) arrays. ``reference_name`` names the cache entry of the reference features and
     statistics (computed once, then reused; ``reference_cache_name`` makes one that changes with the files); None
     disables caching. ``weights`` is a local torch-fidelity Inception
-    weights file (``pt_inception-2015-12-05``), needed offline; None downloads it.
+    weights file (``INCEPTION_FILE``); None takes torch hub's copy, downloading it when there is none
+    (``inception_weights_help``).
     """
     if weights is not None and not Path(weights).is_file():
-        raise SystemExit(f"fidelity: --weights {weights}: no such file; give torch-fidelity's Inception weights "
-                         f"(pt_inception-2015-12-05-6726825d.pth) or omit it to download them.")
+        raise SystemExit(f"fidelity: --weights {weights}: no such file; {inception_weights_help()}.")
+    if weights is not None:
+        load_file(weights)  # torch-fidelity unpickles it in full: first refused here if it would run code
     kwargs = dict(
         input1=ImageArrayDataset(samples), input2=ImageArrayDataset(reference), batch_size=batch_size,
         feature_extractor_weights_path=weights, verbose=verbose, cache_root=cache_root,
@@ -182,8 +205,8 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     try:
         extractor = create_feature_extractor(SFID_EXTRACTOR, ["2048", "logits_unbiased", SFID_FEATURE], **kwargs)
     except OSError as error:  # urllib's URLError when the download fails, e.g. offline
-        raise SystemExit(f"fidelity: cannot download torch-fidelity's Inception weights ({error}); offline, copy "
-                         f"weights-inception-2015-12-05-6726825d.pth here and pass --weights <file>.") from None
+        raise SystemExit(f"fidelity: cannot download torch-fidelity's Inception weights ({error}); "
+                         f"{inception_weights_help()}.") from None
     generated = extract_featuresdict_from_input_id_cached(1, extractor, **kwargs)
     real = extract_featuresdict_from_input_id_cached(2, extractor, **kwargs)
 
@@ -205,5 +228,16 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     }
 
 
-__all__ = ["IS_SPLIT_SIZE", "ImageArrayDataset", "SFID_EXTRACTOR", "SFID_FEATURE", "SpatialInceptionV3",
-           "compute_fidelity", "inception_score", "load_images", "reference_cache_name"]
+def feature_fidelity(generated: torch.Tensor, real: torch.Tensor) -> dict[str, float]:
+    """Fréchet distance, precision and recall (k = 3) between two sets of features (N, D) of any network, with
+    torch-fidelity's own functions (those ``compute_fidelity`` applies to Inception's): the FID formula in another
+    feature space, whose numbers are comparable only with each other."""
+    stats = [fid_features_to_statistics(features.double()) for features in (generated, real)]
+    prc = prc_features_to_metric(generated.float(), real.float(), verbose=False)
+    return {"frechet_distance": float(fid_statistics_to_metric(*stats, verbose=False)[KEY_METRIC_FID]),
+            "precision": float(prc["precision"]), "recall": float(prc["recall"])}
+
+
+__all__ = ["INCEPTION_FILE", "IS_SPLIT_SIZE", "ImageArrayDataset", "SFID_EXTRACTOR", "SFID_FEATURE",
+           "SpatialInceptionV3", "compute_fidelity", "feature_fidelity", "inception_score", "inception_weights_help",
+           "load_images", "reference_cache_name"]

@@ -72,6 +72,8 @@ class MoHTask(LightningModule):
 
     #: What ``head_load_groups`` returns, in words, for the dashboards' labels ("class", "source", ...).
     head_load_group_name: str = "group"
+    #: The metrics runs of this task are compared by (TensorBoard's HParams columns): only those it logs.
+    hparam_metrics: tuple[str, ...] = ("val/loss",)
     #: Keyword arguments of ``torch.compile`` when ``compile`` is on, e.g. ``{"mode": "max-autotune"}``.
     compile_kwargs: dict = {}
     #: Set by ``moh`` when this run restores a checkpoint (``--ckpt_path``): its weights replace ``init_from``'s, so

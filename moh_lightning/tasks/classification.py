@@ -51,9 +51,12 @@ class ImageClassifier(MoHTask):
             a weights file (a dense timm ViT, an ``moh export-timm`` folder's file). Loaded when a run starts, with a
             line saying what was loaded; a run that restores a checkpoint (``--ckpt_path``) ends with its weights.
             ``arch.pretrained``, its name before every task used ``init_from``, still works, with a warning.
+        class_names: The name of each class, in label order; ``moh`` links it from the data module, so the
+            checkpoint carries it. None: classes by number.
     """
 
     head_load_group_name = "class"
+    hparam_metrics = ("val/loss", "val/acc1")
     #: Classes per image that ``predict_step`` returns (as the top-5 accuracy), fewer when the model has fewer.
     predict_top_k = 5
 
@@ -74,6 +77,7 @@ class ImageClassifier(MoHTask):
             init_from: str | None = None,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            class_names: list[str] | None = None,
     ) -> None:
         super().__init__(load_balance_beta, compile, activation_checkpointing)
         self.save_hyperparameters()

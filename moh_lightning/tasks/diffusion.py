@@ -55,6 +55,8 @@ class ClassConditionalDiffusion(MoHTask):
         init_from: Start from a dense DiT checkpoint in the authors' layout (``DiT-XL-2-256x256.pt``), every
             weight loaded, the routers fresh (``load_dense_dit_weights``).
         init_from_dense: ``init_from``'s name before the release that gave every task one name; warns.
+        class_names: The name of each class, in label order; ``moh`` links it from the data module (its class
+            folders), so the checkpoint carries it and ``moh sample --classes`` takes names. None: classes by number.
     """
 
     head_load_group_name = "class"
@@ -80,12 +82,16 @@ class ClassConditionalDiffusion(MoHTask):
             init_from_dense: str | None = None,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            class_names: list[str] | None = None,
     ) -> None:
         super().__init__(load_balance_beta, compile, activation_checkpointing)
         if snr_gamma is not None and snr_gamma <= 0:
             raise ValueError(f"snr_gamma={snr_gamma} must be > 0, or null for DiT's unweighted loss.")
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: choose 'ddpm' or 'ddim'.")
+        if class_names is not None and len(class_names) != arch_classes(arch):
+            raise ValueError(f"class_names has {len(class_names)} names for {arch_classes(arch)} classes "
+                             f"(arch.num_classes); give one name per class, or null.")
         self.save_hyperparameters()
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
@@ -198,6 +204,11 @@ class ClassConditionalDiffusion(MoHTask):
         return x
 
 
+def arch_classes(arch: DiTConfig | dict) -> int:
+    """``num_classes`` of a DiT config, typed or as the dict LightningCLI records."""
+    return arch.num_classes if isinstance(arch, DiTConfig) else arch.get("num_classes", DiTConfig.num_classes)
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """Samples (B, C, H, W) in [-1, 1] -> (B, H, W, 3) uint8, grey repeated to RGB (the layout of ADM's .npz files)."""
     images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
@@ -206,4 +217,4 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return images.permute(0, 2, 3, 1).numpy()
 
 
-__all__ = ["ClassConditionalDiffusion", "to_uint8"]
+__all__ = ["ClassConditionalDiffusion", "arch_classes", "to_uint8"]

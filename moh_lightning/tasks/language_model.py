@@ -85,6 +85,13 @@ class LanguageModel(MoHTask):
 
     head_load_group_name = "source"
 
+    @property
+    def hparam_metrics(self) -> tuple[str, ...]:
+        """Bits per byte where the tokenizer is byte-level (``validation_step`` logs it only there), else perplexity;
+        read once a trainer runs the task."""
+        byte_level = getattr(self.trainer.datamodule, "is_byte_level", False)
+        return ("val/loss", "val/bpb" if byte_level else "val/ppl")
+
     def __init__(
             self,
             arch: LlamaConfig,

@@ -1,6 +1,7 @@
 """``moh sample``: class-conditional images from a trained diffusion checkpoint, in ADM's ``.npz`` layout."""
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ def sample(
         checkpoint: str,
         out_dir: str = "samples",
         num_samples: int = 100,
-        classes: list[int] | None = None,
+        classes: list[int | str] | None = None,
         cfg_scale: float | None = None,
         sampler: Sampler | None = None,
         steps: int | None = None,
@@ -29,14 +30,17 @@ def sample(
 ) -> Path:
     """Samples images from a trained ClassConditionalDiffusion checkpoint (its EMA weights).
 
-    Writes ``out_dir/images/NNNNNN_cC.png``, ``out_dir/samples.npz`` (ADM layout: ``arr_0`` (N, H, W, 3) uint8,
-    ``arr_1`` the labels), ``out_dir/grid.png`` (one row per class) and ``out_dir/sample_args.json``.
+    Writes ``out_dir/images/NNNNNN_cC.png`` (``NNNNNN_cC_<name>.png`` where the checkpoint names its classes),
+    ``out_dir/samples.npz`` (ADM layout: ``arr_0`` (N, H, W, 3) uint8, ``arr_1`` the labels), ``out_dir/grid.png``
+    (one row per class) and ``out_dir/sample_args.json`` (the settings, and each class sampled with its name).
 
     Args:
         checkpoint: Path of a ``.ckpt`` written by ``moh fit`` with a ClassConditionalDiffusion model.
         out_dir: Folder for the outputs (created).
         num_samples: Number of images.
-        classes: Conditioning classes, repeated in turn to ``num_samples``; drawn uniformly when omitted.
+        classes: Conditioning classes, repeated in turn to ``num_samples``: names (``"[zero, seven]"``, the class
+            folders the checkpoint was trained on) or numbers (``"[0, 7]"``; quote a name that is a number); drawn
+            uniformly when omitted.
         cfg_scale: Classifier-free guidance scale (1 disables guidance); omitted: the checkpoint's ``cfg_scale``.
         sampler: ``ddpm`` (learned variance, ancestral) or ``ddim`` (deterministic); omitted: the checkpoint's.
         steps: Respaced sampling steps (DiT uses 250 DDPM steps); omitted: the checkpoint's ``sample_steps``.
@@ -65,9 +69,11 @@ def sample(
         from moh_lightning.data.latents import load_vae
         decoder = load_vae(vae, key="--vae").to(device).eval()
 
+    names = task.hparams.get("class_names")
     generator = torch.Generator().manual_seed(seed)
     if classes:
-        labels = torch.tensor([classes[i % len(classes)] for i in range(num_samples)])
+        indices = [class_index(given, names, task.model.num_classes) for given in classes]
+        labels = torch.tensor([indices[i % len(indices)] for i in range(num_samples)])
     else:
         labels = torch.randint(0, task.model.num_classes, (num_samples,), generator=generator)
     out = Path(out_dir)
@@ -83,14 +89,35 @@ def sample(
         arrays.append(to_uint8(x))
     images = np.concatenate(arrays)
     for i, (image, label) in enumerate(zip(images, labels.tolist(), strict=True)):
-        Image.fromarray(image).save(out / "images" / f"{i:06d}_c{label}.png")
+        suffix = f"_{names[label]}" if names else ""
+        Image.fromarray(image).save(out / "images" / f"{i:06d}_c{label}{suffix}.png")
     np.savez(out / "samples.npz", arr_0=images, arr_1=labels.numpy())
     save_class_grid(images, labels.numpy(), out / "grid.png")
+    sampled = sorted(set(labels.tolist()))
     (out / "sample_args.json").write_text(json.dumps(
         dict(checkpoint=str(path), num_samples=num_samples, classes=classes, cfg_scale=cfg_scale, sampler=sampler,
-             steps=steps, seed=seed, vae=vae), indent=2))
-    print(f"wrote {num_samples} samples to {out}")
+             steps=steps, seed=seed, vae=vae,
+             class_names={str(label): names[label] if names else None for label in sampled}), indent=2))
+    shown = ", ".join(names[label] for label in sampled) if names else ", ".join(map(str, sampled))
+    print(f"wrote {num_samples} samples of {shown} to {out}")
     return out
+
+
+def class_index(given: int | str, names: list[str] | None, num_classes: int) -> int:
+    """The label of a class given by number or by name (``names``, the checkpoint's class names, in label order)."""
+    if isinstance(given, int) and not isinstance(given, bool):
+        if not 0 <= given < num_classes:
+            raise SystemExit(f"moh sample: --classes {given}: the model has classes 0 to {num_classes - 1}.")
+        return given
+    if names and given in names:
+        return names.index(given)
+    if not names:
+        raise SystemExit(f"moh sample: --classes {given!r}: this checkpoint has no class names (trained on data "
+                         f"without them); give class numbers 0 to {num_classes - 1}.")
+    nearest = difflib.get_close_matches(str(given), names, n=1)
+    hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
+    raise SystemExit(f"moh sample: --classes {given!r} is not a class of this checkpoint{hint}; its classes are "
+                     f"{', '.join(names)}.")
 
 
 def save_class_grid(images: np.ndarray, labels: np.ndarray, path: Path, per_class: int = 10) -> None:
@@ -103,4 +130,4 @@ def save_class_grid(images: np.ndarray, labels: np.ndarray, path: Path, per_clas
     Image.fromarray(np.concatenate(rows, axis=0)).save(path)
 
 
-__all__ = ["sample", "save_class_grid"]
+__all__ = ["class_index", "sample", "save_class_grid"]

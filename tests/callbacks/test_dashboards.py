@@ -267,3 +267,16 @@ def test_diffusion_task_exposes_the_timesteps_it_drew():
     task._diffusion_loss((torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 0, 1])))
     assert task.last_timesteps.shape == (5,) and 0 <= int(task.last_timesteps.min()) <= int(
         task.last_timesteps.max()) < 100
+
+
+def test_hparams_columns_are_the_metrics_each_task_logs():
+    from moh_lightning.callbacks.head_load.summary import hparam_metrics
+    from moh_lightning.callbacks.sample_grid import SampleGridCallback
+    from moh_lightning.tasks import ImageClassifier
+    from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
+
+    entropy = "head_load_balance/final_load_entropy"
+    assert hparam_metrics(ImageClassifier, []) == ("val/loss", "val/acc1", entropy)
+    assert hparam_metrics(ClassConditionalDiffusion, [SampleGridCallback()]) == ("val/loss", entropy)
+    assert hparam_metrics(ClassConditionalDiffusion, [SampleGridCallback(fid_num_samples=8)]) == (
+        "val/loss", "samples/fid", "samples/sfid", entropy)

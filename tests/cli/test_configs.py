@@ -30,8 +30,10 @@ OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
 # compile / activation_checkpointing: reachable from a config since compile became "auto" (eager on the CPU as before).
+# class_names: what the classes are called (linked from the data module), which changes no training.
 NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None, "hf_config": None, "compile": "auto",
                "activation_checkpointing": False}
+NAMES_ONLY = ("class_names",)
 # Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
 OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
 
@@ -65,7 +67,8 @@ def _retuned(name: str, old: dict) -> dict:
 def _task_hparams(task: dict) -> dict:
     out = {}
     for key, value in task["hparams"].items():
-        if (key in NEW_OPTIONS and value == NEW_OPTIONS[key]) or (key in OLD_INIT_NAMES and value is None):
+        if (key in NEW_OPTIONS and value == NEW_OPTIONS[key]) or (key in OLD_INIT_NAMES and value is None) \
+                or key in NAMES_ONLY:
             continue
         if key.startswith((*OLD_ARCHITECTURE_KEYS, "arch.")):
             continue
@@ -103,8 +106,9 @@ RENAMED_EXECUTION = {"dense": "masked"}
 
 # Experiments shipped after the snapshot was taken; their own tests cover them (tests/test_transnext*.py,
 # tests/models/hf_causal/).
-AFTER_SNAPSHOT = ["continue_hf_75.yaml", "moh_transnext_base_50.yaml", "moh_transnext_base_75.yaml",
-                  "moh_transnext_mnist_75.yaml", "moh_transnext_small_75.yaml", "moh_transnext_small_80.yaml",
+AFTER_SNAPSHOT = ["continue_hf_75.yaml", "dit_folder_90.yaml", "moh_transnext_base_50.yaml",
+                  "moh_transnext_base_75.yaml", "moh_transnext_mnist_75.yaml", "moh_transnext_small_75.yaml",
+                  "moh_transnext_small_80.yaml",
                   "transnext_base_100.yaml", "transnext_small_100.yaml", "vit_tiny_folder_digits_75.yaml"]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as T
 
-from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, write_digits_folder
+from moh_lightning.data.images import DIGIT_WORDS, ImageFolderDataModule, MNISTDataModule, write_digits_folder
+from moh_lightning.errors import MissingDataError
 
 SWITCHES = ("crop_scale", "hflip", "mean", "std", "auto_augment", "re_prob", "interpolation", "crop_pct", "in_chans")
 
@@ -29,7 +31,8 @@ def test_folder_defaults_stay_the_imagenet_recipe(tmp_path, write_image_folder):
     dm = ImageFolderDataModule(str(tmp_path), img_size=32, num_workers=0)
     assert set(dm.hparams) == {"data_dir", "img_size", "batch_size", "num_workers", "auto_augment", "re_prob",
                                "crop_pct", "interpolation", "on_corrupt", "crop_scale", "hflip", "mean", "std",
-                               "in_chans", "predict_dir", "device_augment"}
+                               "in_chans", "predict_dir", "device_augment", "val_fraction", "split_seed", "ratio",
+                               "color_jitter"}
     dm.setup("fit")
     (crop,) = _parts(dm.train_set.transform, RandomResizedCropAndInterpolation)
     assert crop.scale == (0.08, 1.0)
@@ -53,8 +56,44 @@ def test_folder_switches_and_grayscale(tmp_path, write_image_folder):
     # grayscale with ImageNet's statistics averaged over the channels when mean / std are not given
     gray = ImageFolderDataModule(str(tmp_path), in_chans=1)
     assert gray.mean == pytest.approx((np.mean([0.485, 0.456, 0.406]),))
+    # one value serves every channel ([-1, 1] for diffusion); two for three channels is a mistake
+    assert ImageFolderDataModule(str(tmp_path), mean=(0.5,), std=(0.5,)).mean == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="one value per channel"):
-        ImageFolderDataModule(str(tmp_path), mean=(0.5,), std=(0.5,))
+        ImageFolderDataModule(str(tmp_path), mean=(0.5, 0.5), std=(0.5, 0.5))
+
+
+def test_flat_folder_holds_out_a_seeded_share_of_every_class(tmp_path):
+    root = write_digits_folder(tmp_path / "digits", size=16, flat=True)
+    assert sorted(p.name for p in root.iterdir()) == sorted(DIGIT_WORDS)
+    dm = ImageFolderDataModule(str(root), img_size=16, in_chans=1, val_fraction=0.2, split_seed=3)
+    assert dm.flat and dm.num_classes == 10 and dm.class_names == sorted(DIGIT_WORDS)
+    dm.setup("fit")
+    train, val = dm.train_set.samples, dm.val_set.samples
+    assert len(train) + len(val) == 1797 and not {path for path, _ in train} & {path for path, _ in val}
+    for label, name in enumerate(dm.class_names):  # labels by sorted folder name, about a fifth of each class held out
+        files = [path for path, target in train + val if target == label]
+        assert all(Path(path).parent.name == name for path in files)
+        assert sum(target == label for _, target in val) == round(len(files) * 0.2)
+    again = ImageFolderDataModule(str(root), img_size=16, in_chans=1, val_fraction=0.2, split_seed=3)
+    again.setup("validate")
+    assert again.val_set.samples == val  # the same split in every run and process
+    other = ImageFolderDataModule(str(root), img_size=16, in_chans=1, val_fraction=0.2, split_seed=4)
+    other.setup("fit")
+    assert other.val_set.samples != val
+    assert dm.train_set[0][0].shape == (1, 16, 16) and dm.val_set.transform is not dm.train_set.transform
+    with pytest.raises(MissingDataError, match="flat folder holds training and validation images only"):
+        dm.setup("test")
+    with pytest.raises(ValueError, match="val_fraction"):
+        ImageFolderDataModule(str(root), val_fraction=1.0)
+
+
+def test_folder_errors_name_both_layouts(tmp_path):
+    with pytest.raises(MissingDataError, match=r"<class>/ image folders \(or train/<class>/"):
+        ImageFolderDataModule(str(tmp_path / "missing")).setup("fit")
+    (tmp_path / "split" / "train" / "a").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8), np.uint8), mode="L").save(tmp_path / "split" / "train" / "a" / "0.png")
+    with pytest.raises(MissingDataError, match="no 'val/' folder beside it"):
+        ImageFolderDataModule(str(tmp_path / "split")).setup("fit")
 
 
 def test_mnist_takes_the_same_switches():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from unittest import mock
 
 import numpy as np
@@ -14,6 +15,7 @@ from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorIncepti
 
 from moh_lightning.cli import main
 from moh_lightning.metrics.fidelity import (
+    INCEPTION_FILE,
     SFID_FEATURE,
     SpatialInceptionV3,
     compute_fidelity,
@@ -129,3 +131,42 @@ def test_fidelity_scores_is_on_the_inception_logits(inception_weights):
     expected = math.log(inception_score(logits)[0])
     assert math.log(result["inception_score"]) == pytest.approx(expected, rel=1e-3)
     assert math.log(inception_score(pool)[0]) != pytest.approx(expected, rel=0.2)
+
+
+def _offline(*args, **kwargs):
+    from urllib.error import URLError
+
+    raise URLError("[Errno -3] Temporary failure in name resolution")
+
+
+def test_offline_names_one_file_and_the_folder_torch_fidelity_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    folder = tmp_path / "torch" / "hub" / "checkpoints"
+    images = np.zeros((4, 16, 16, 3), np.uint8)
+    messages = []
+    with mock.patch("torch_fidelity.feature_extractor_inceptionv3.load_state_dict_from_url", _offline):
+        with pytest.raises(SystemExit) as offline:
+            compute_fidelity(images, images, None)
+    messages.append(str(offline.value))
+    with pytest.raises(SystemExit) as missing:
+        compute_fidelity(images, images, None, weights=str(tmp_path / "nowhere.pth"))
+    messages.append(str(missing.value))
+    for message in messages:
+        assert len(message.splitlines()) == 1
+        assert re.findall(r"[\w-]+\.pth", message.replace(str(tmp_path / "nowhere.pth"), "")) == [INCEPTION_FILE] * 2
+        assert f"into {folder}/" in message and "curl -L -O https://" in message and "--weights" in message
+    assert INCEPTION_FILE == "weights-inception-2015-12-05-6726825d.pth"
+
+
+@pytest.mark.slow
+def test_weights_in_that_folder_are_used_offline(inception_weights, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    folder = tmp_path / "torch" / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    shutil.copy(inception_weights, folder / INCEPTION_FILE)
+    images = _digits(6, 4)
+    with mock.patch("torch.hub.download_url_to_file", _offline):  # a download would fail
+        result = compute_fidelity(images, images, None, batch_size=6)
+    assert abs(result["fid"]) < 1e-2

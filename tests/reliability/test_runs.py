@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from moh_lightning.cli import main
 
@@ -101,3 +102,22 @@ def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, caps
         _fit(corpus, "--model.init_args.max_tokens", "8192", "--model.init_args.arch.moh.top_k", "1",
              "--ckpt_path", "last")
     assert "model.init_args.arch.moh.top_k" in str(stop.value) and "max_tokens" not in str(stop.value)
+
+
+class FailAtStart(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        raise RuntimeError("failed before the first step")
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder(run_dir, write_image_folder):
+    with pytest.raises(SystemExit, match="no class folders"):
+        main(["fit", "--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", "missing"])
+    assert not (run_dir / "runs" / "vit_tiny_folder_digits_75").exists()  # was version_0: an events file, hparams
+    # beside a run with weights: that run stays as it was, and the failed one leaves no version_1
+    corpus = _corpus(run_dir / "corpus", 0)
+    _fit(corpus)
+    before = _snapshot(run_dir / "runs")
+    with pytest.raises(RuntimeError, match="before the first step"):
+        _fit(corpus, "--trainer.callbacks+=test_runs.FailAtStart")
+    assert _snapshot(run_dir / "runs") == before
+    assert sorted(p.name for p in (run_dir / "runs" / "llm_stdlib_75").iterdir()) == ["version_0"]

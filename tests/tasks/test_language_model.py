@@ -214,15 +214,16 @@ def test_token_budget_stops_training_and_loss_falls(tmp_path):
 
 
 def test_progress_bar_counts_the_token_budget(tmp_path):
-    """The bar counts the budget's steps, in each epoch those left; with the configs' max_epochs -1 it showed a whole
-    epoch of windows, and Lightning's Rich bar "Epoch 0/-2"."""
+    """The bar counts the run's steps against the budget's, across epochs; with the configs' max_epochs -1 Lightning's
+    Rich bar showed the batches of each epoch, labelled "Epoch 0/-2"."""
     shown = set()
 
     class Look(L.Callback):
-        def on_train_batch_start(self, trainer, *args) -> None:
+        def on_train_batch_end(self, trainer, *args) -> None:
             bar = trainer.progress_bar_callback
             row = bar.progress.tasks[bar.train_progress_bar_id]
-            shown.add((row.description.strip(), row.total))
+            shown.add((row.description.strip(), row.completed, row.total))
+            assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
 
     dm = TextDataModule(sources=[TextSource(path=str(_corpus(tmp_path, "c", "def f(x): return x")))], seq_len=16,
                         batch_size=4, cache_dir=str(tmp_path / "cache"))
@@ -232,7 +233,8 @@ def test_progress_bar_counts_the_token_budget(tmp_path):
                         callbacks=[MoHRichProgressBar(), Look()])
     trainer.fit(task, dm)
     assert trainer.global_step == 5 and trainer.max_steps == 5
-    assert sorted(shown) == [("Epoch 0", 3), ("Epoch 1", 2)]
+    assert sorted(shown) == [("Epoch 0, step", step, 5) for step in (1, 2, 3)] + [("Epoch 1, step", 4, 5),
+                                                                                 ("Epoch 1, step", 5, 5)]
 
 def test_checkpoint_reload_and_generate_tool(tmp_path, capsys):
     trainer, task, dm = _fit(tmp_path, max_tokens=10 ** 9, max_steps=4)

@@ -17,7 +17,7 @@ from moh_lightning.callbacks.head_load.counting import HeadLoadCounter
 from moh_lightning.callbacks.head_load.loads import SUMMARY_FILE, mean_load_entropy
 from moh_lightning.callbacks.head_load.loggers import adapter
 from moh_lightning.callbacks.head_load.render import figure_rgb, group_card, layer_card, loads_over_time, save_png
-from moh_lightning.callbacks.head_load.summary import DEFAULT_HPARAM_METRICS, run_hparams, summary_markdown
+from moh_lightning.callbacks.head_load.summary import hparam_metrics, run_hparams, summary_markdown
 from moh_lightning.tasks.base import MoHTask
 
 
@@ -36,12 +36,13 @@ class HeadLoadCallback(Callback):
         timestep_buckets: Buckets of diffusion timesteps for the ``per_timestep`` heatmaps (tasks that expose
             ``last_timesteps``); 0 switches them off.
         images_every_n_windows: Log the training heatmap every this many logging windows (1 = every window).
-        hparam_metrics: Scalar tags shown as metrics beside the hyper-parameters (TensorBoard HParams).
+        hparam_metrics: Scalar tags shown as metrics beside the hyper-parameters (TensorBoard HParams); None: the
+            ones the run logs (its task's, its callbacks', the final load entropy: ``summary.hparam_metrics``).
     """
 
     def __init__(self, log_every_n_steps: int | None = None, low_load: float = 0.01, max_groups: int = 12,
                  collapse_windows: int = 5, timestep_buckets: int = 4, images_every_n_windows: int = 1,
-                 hparam_metrics: list[str] | tuple[str, ...] = DEFAULT_HPARAM_METRICS) -> None:
+                 hparam_metrics: list[str] | None = None) -> None:
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"HeadLoadCallback log_every_n_steps={log_every_n_steps} must be at least 1.")
@@ -57,7 +58,8 @@ class HeadLoadCallback(Callback):
         self.collapse_windows = collapse_windows
         self.timestep_buckets = timestep_buckets
         self.images_every_n_windows = images_every_n_windows
-        self.hparam_metrics = tuple(hparam_metrics)
+        self.hparam_metrics = hparam_metrics
+        self._metrics: tuple[str, ...] = ()
         self.counter = HeadLoadCounter(low_load, collapse_windows, timestep_buckets)
         self._windows = 0
         self._hparams: dict[str, Any] = {}
@@ -73,12 +75,14 @@ class HeadLoadCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.counter.find_layers(pl_module)
         self._hparams = run_hparams(pl_module, self.counter.layers)
+        others = [callback for callback in trainer.callbacks if callback is not self]
+        self._metrics = tuple(self.hparam_metrics or hparam_metrics(pl_module, others))
         if trainer.is_global_zero:
             # Before Lightning logs its own hyper-parameters (right after on_fit_start): TensorBoard keeps the first
             # HParams record of a run, so this one, with these names and real metrics, is the one it shows.
             routed = [index for index, layer in self.counter.routed_layers() if layer.router.num_routed_heads]
             for logger in trainer.loggers:
-                adapter(logger).start(self._hparams, self.hparam_metrics, routed, trainer.global_step)
+                adapter(logger).start(self._hparams, self._metrics, routed, trainer.global_step)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if not self.counter.count_train_batch() or self.counter.window_batches < self._window:
@@ -137,7 +141,7 @@ class HeadLoadCallback(Callback):
             final["head_load_balance/final_load_entropy"] = entropy
             for logger in trainer.loggers:
                 logger.log_metrics(final, step=trainer.global_step)
-        metrics = {name: _scalar(trainer.callback_metrics.get(name)) for name in self.hparam_metrics}
+        metrics = {name: _scalar(trainer.callback_metrics.get(name)) for name in self._metrics}
         metrics = {name: value for name, value in {**metrics, **final}.items() if value is not None}
         if snapshot is None:
             why = ("no logging window completed" if self.counter.routed_layers()
@@ -196,7 +200,8 @@ def _num_timesteps(pl_module: LightningModule) -> int:
 
 
 def _group_labels(trainer: Trainer, pl_module: LightningModule, kind: str, count: int) -> list[str]:
-    """Readable names of the groups: timestep ranges, text sources by file name, image classes by folder name."""
+    """Readable names of the groups, in id order: timestep ranges, text sources by file name, image classes by the
+    names the task was given (its ``class_names``, the data module's class folders), else the data's own."""
     if kind == "timestep":
         total = _num_timesteps(pl_module)
         edges = [round(i * total / count) for i in range(count + 1)]
@@ -210,6 +215,9 @@ def _group_labels(trainer: Trainer, pl_module: LightningModule, kind: str, count
         classes = getattr(getattr(datamodule, attribute, None), "classes", None)
         if kind == "class" and classes:
             names = [str(name) for name in classes]
+    given = getattr(pl_module, "hparams", {}).get("class_names")
+    if kind == "class" and given:
+        names = [str(name) for name in given]
     if names and len(names) >= count:
         return [f"{i}: {names[i]}" if names[i] != str(i) else str(i) for i in range(count)]
     return [str(i) for i in range(count)]

@@ -14,8 +14,18 @@ from lightning.pytorch import LightningModule
 from moh_lightning.callbacks.head_load.loads import HeadLoadSnapshot, load_entropy
 from moh_lightning.layers import MoHHeads, QueryNormRouter, activated_head_fraction
 
-#: Metrics shown beside the hyper-parameters (the last value logged in the run); a task logs the ones it has.
-DEFAULT_HPARAM_METRICS = ("val/loss", "val/acc1", "val/bpb", "head_load_balance/final_load_entropy", "samples/fid")
+#: Shown beside the hyper-parameters of every run (the last value logged), after its task's and callbacks' own.
+FINAL_ENTROPY = "head_load_balance/final_load_entropy"
+
+
+def hparam_metrics(pl_module: LightningModule, callbacks: list) -> tuple[str, ...]:
+    """The metrics a run is compared by: those its task logs (``hparam_metrics``: a ViT's accuracy, an LM's bits per
+    byte), those of callbacks that log some (the sample grid's FID), and the final load entropy. TensorBoard's HParams
+    tab shows a column for every metric named, logged or not: naming only these leaves no empty column."""
+    named = [*getattr(pl_module, "hparam_metrics", ("val/loss",))]
+    for callback in callbacks:
+        named += getattr(callback, "hparam_metrics", ())
+    return tuple(dict.fromkeys([*named, FINAL_ENTROPY]))
 
 
 def _per_layer_value(values: list[float]) -> float | int:
@@ -114,4 +124,4 @@ def summary_markdown(snapshot: HeadLoadSnapshot, collapse_events: list[dict] | N
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["DEFAULT_HPARAM_METRICS", "run_hparams", "summary_markdown"]
+__all__ = ["FINAL_ENTROPY", "hparam_metrics", "run_hparams", "summary_markdown"]

@@ -29,6 +29,9 @@ class DiTConfig:
         num_classes: Number of conditioning classes.
         learn_sigma: Also output the variance interpolation (twice the input channels) as DiT does.
         moh: Head budget and routing; None (the default) is DiT's multi-head attention, the dense baseline.
+        img_size: Side of the images of a pixel-space model, the name every image task and data module uses (``moh``
+            links the image data module's here); sets ``input_size``. None for latent models, whose grid is the
+            VAE's, smaller than the images.
     """
 
     input_size: int = 32
@@ -43,9 +46,12 @@ class DiTConfig:
     num_classes: int = 1000
     learn_sigma: bool = True
     moh: MoHConfig | None = None
+    img_size: int | None = None
 
     def __post_init__(self) -> None:
         self.moh = as_moh_config(self.moh)
+        if self.img_size is not None:
+            self.input_size = self.img_size
         if self.input_size % self.patch_size:
             raise ValueError(f"input_size={self.input_size} is not divisible by patch_size={self.patch_size}.")
         attention_layers(self.moh, self.num_heads, self.depth)
