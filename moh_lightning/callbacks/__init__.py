@@ -2,7 +2,8 @@
 from moh_lightning.callbacks.head_load import HeadLoadCallback
 from moh_lightning.callbacks.reliability import ExactResumeCallback, FiniteLossGuard, StepCheckpoint
 from moh_lightning.callbacks.run_summary import RunSummary
+from moh_lightning.callbacks.shutdown import RunShutdown
 from moh_lightning.callbacks.throughput import MoHThroughputMonitor
 
-__all__ = ["ExactResumeCallback", "FiniteLossGuard", "HeadLoadCallback", "MoHThroughputMonitor", "RunSummary",
-           "StepCheckpoint"]
+__all__ = ["ExactResumeCallback", "FiniteLossGuard", "HeadLoadCallback", "MoHThroughputMonitor", "RunShutdown",
+           "RunSummary", "StepCheckpoint"]
