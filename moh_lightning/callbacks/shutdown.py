@@ -227,9 +227,14 @@ class _Watch:
     def _watch(self) -> None:
         while True:
             wait = _POLL_S if self.deadline is None else self.deadline - time.monotonic()
-            ready, _, _ = select.select([self._read], [], [], max(wait, 0.0))
+            stopping_ranks = self.launches_only and self.heard_at is not None
+            ready, _, _ = select.select([self._read], [], [], max(min(wait, 0.2) if stopping_ranks else wait, 0.0))
             if self._closing:
                 return
+            if stopping_ranks and not _alive(psutil.Process().children(recursive=True)):
+                # The ranks have ended and said why: Lightning's own way out of the launcher (joining, re-raising,
+                # finalizing loggers it never used) would only add seconds.
+                os._exit(128 + (self.signum or signal.SIGTERM))
             if ready:
                 for signum in os.read(self._read, 64):
                     if signum in STOP_SIGNALS:
@@ -256,7 +261,7 @@ class _Watch:
         """Ends every process under this one (ranks, loader workers), then this one, saying why unless said."""
         processes = psutil.Process().children(recursive=True)
         if not self.said:
-            line = self._line(why, bool(processes))
+            line = self._line(why, bool(_alive(processes)))
             if line:
                 print(line, file=sys.stderr, flush=True)
         for process in processes:
@@ -344,6 +349,16 @@ def _forked_rank(function: Callable, trainer: Trainer, grace_period: float, *arg
         if exception is _said_for:
             raise SystemExit(1) from None
         raise
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those that still run: a zombie has ended, only its exit status waits for its parent."""
+    alive = []
+    for process in processes:
+        with suppress(psutil.NoSuchProcess):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+    return alive
 
 
 def _collective_failed(exception: BaseException) -> bool:
