@@ -208,12 +208,12 @@ class _Watch:
         os.close(self._read)
         os.close(self._write)
 
-    def request_stop(self, signum: int | None) -> None:
+    def request_stop(self, signum: int) -> None:
         """Stops the run at the end of this step, or ends it when none ends within the grace period."""
         self.signum, self.heard_at = signum, time.monotonic()
         self.end_within_grace_period()
         compat.request_stop(self.trainer)
-        self._forward(signum or signal.SIGTERM)
+        self._forward(signum)
 
     def _forward(self, signum: int) -> None:
         launcher = self.trainer.strategy.launcher
@@ -225,32 +225,37 @@ class _Watch:
         self.deadline = time.monotonic() + self.grace_period + margin
 
     def _watch(self) -> None:
+        next_poll = time.monotonic() + _POLL_S
         while True:
-            wait = _POLL_S if self.deadline is None else self.deadline - time.monotonic()
             stopping_ranks = self.launches_only and self.heard_at is not None
-            ready, _, _ = select.select([self._read], [], [], max(min(wait, 0.2) if stopping_ranks else wait, 0.0))
+            wake = min(next_poll, self.deadline or next_poll)
+            if stopping_ranks:
+                wake = min(wake, time.monotonic() + 0.2)
+            ready, _, _ = select.select([self._read], [], [], max(wake - time.monotonic(), 0.0))
             if self._closing:
                 return
             if stopping_ranks and not _alive(psutil.Process().children(recursive=True)):
                 # The ranks have ended and said why: Lightning's own way out of the launcher (joining, re-raising,
                 # finalizing loggers it never used) would only add seconds.
-                os._exit(128 + (self.signum or signal.SIGTERM))
+                os._exit(128 + self.signum)
             if ready:
                 for signum in os.read(self._read, 64):
                     if signum in STOP_SIGNALS:
                         self._heard(signum)
-            elif self.deadline is not None and time.monotonic() >= self.deadline:
+                continue
+            if self.deadline is not None and time.monotonic() >= self.deadline:
                 self._end(f"no step ended within the {self.grace_period:g} s grace period")
-            elif self.deadline is None and self.store is not None:
-                self._elsewhere = _ended_elsewhere(self.store)
+            if self.store is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + _POLL_S
+                # Nothing is left to save (saving needs every rank) nor to wait for.
+                self._elsewhere = _ended_elsewhere(self.store, self.trainer.interrupted)
                 if self._elsewhere:
-                    self.request_stop(None)
+                    self._end(self._elsewhere)
 
     def _heard(self, signum: int) -> None:
         if self.heard_at is None:
             self.request_stop(signum)
         elif time.monotonic() - self.heard_at >= _SAME_REQUEST_S:
-            self.signum = self.signum or signum
             if not self.launches_only:
                 self._end(f"a second {signal.Signals(signum).name} ended it at once")
             # Forked ranks end at once on their second signal, and rank 0 says what was saved.
@@ -267,23 +272,23 @@ class _Watch:
         for process in processes:
             with suppress(psutil.NoSuchProcess):
                 process.kill()
-        if self.store is not None:
+        if self.store is not None and not self._elsewhere:
             _tell_the_run(self.store, f"rank {self.trainer.global_rank} was ended: {why}")
         os._exit(128 + self.signum if self.signum else 1)
 
     def _line(self, why: str, ranks_left: bool) -> str | None:
         trainer, again = self.trainer, "Continue with the same command and --ckpt_path last."
         if self.launches_only:  # its ranks should have ended themselves (and said why) by now
-            name = signal.Signals(self.signum or signal.SIGTERM).name
+            name = signal.Signals(self.signum).name
             return f"moh: stopped by {name}: the run's processes did not end ({why}) and were killed. {again}" \
                 if ranks_left else None
         newest = newest_checkpoint(trainer)
-        if self._elsewhere:
-            return (f"moh: rank {trainer.global_rank} stopped at step {trainer.global_step}: {self._elsewhere}, and "
-                    f"{why}; the newest checkpoint is {newest}. {again}")
+        if self._elsewhere:  # said once a node: the rank that ended the run said it on its own node
+            return (f"moh: rank {trainer.global_rank} was ended at step {trainer.global_step}: {why}. The newest "
+                    f"checkpoint is {newest}. {again}") if trainer.local_rank == 0 else None
         if not trainer.is_global_zero:
             return None
-        name = signal.Signals(self.signum or signal.SIGTERM).name
+        name = signal.Signals(self.signum).name
         return (f"moh: stopped by {name} at step {trainer.global_step}: {why}, so every process of the run was "
                 f"ended; the newest checkpoint is {newest}. {again}")
 
@@ -386,12 +391,13 @@ def _missing_ranks(store: dist.Store, rank: int, world_size: int) -> list[int]:
         return [0]
 
 
-def _ended_elsewhere(store: dist.Store) -> str | None:
-    """Why the run ended on another rank, if it did: its message in the store, or a store that no longer answers."""
+def _ended_elsewhere(store: dist.Store, leaving: bool) -> str | None:
+    """Why the run ended on another rank, if it did: its message in the store, or a store that no longer answers
+    while this rank is not ``leaving`` itself (past its last step boundary, or failed: rank 0 may end first)."""
     try:
         return store.get("stop").decode() if store.check(["stop"]) else None
     except RuntimeError:
-        return "rank 0, which holds the run's store, is gone"
+        return None if leaving else "rank 0, which holds the run's store, is gone"
 
 
 def _tell_the_run(store: dist.Store, why: str) -> None:

@@ -146,7 +146,7 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_
                             f"run ends; the newest checkpoint is {LAST} (step 3). Once every rank can run, continue "
                             f"with the same command and --ckpt_path last."), said
     assert "Traceback" not in (tmp_path / "err0.txt").read_text()
-    assert timeout <= took < timeout + 25, took  # the timeout, the others' reports (5 s), rank 1's grace period (5 s)
+    assert timeout <= took < timeout + 25, took  # the timeout, the others' reports (5 s), rank 1's poll of the store
     runs.assert_none_left()
 
 
