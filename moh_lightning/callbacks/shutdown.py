@@ -192,8 +192,10 @@ class _Watch:
         os.set_blocking(self._write, False)
         # Python's own C-level handler writes each signal's number to the wakeup descriptor at once, whatever the
         # main thread does; the Python-level handler only has to exist (the default would kill the process or raise
-        # KeyboardInterrupt in the middle of a step).
-        self._handlers = {signum: signal.signal(signum, _hear) for signum in STOP_SIGNALS}
+        # KeyboardInterrupt in the middle of a step). A signal ignored by whoever started `moh` stays ignored (a
+        # shell script's `moh ... &` ignores Ctrl-C), as Python itself leaves it.
+        self.handlers = {signum: signal.signal(signum, _hear) for signum in STOP_SIGNALS
+                          if signal.getsignal(signum) != signal.SIG_IGN}
         self._wakeup = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, name="moh-run-watch", daemon=True)
         self._thread.start()
@@ -201,7 +203,7 @@ class _Watch:
     def close(self) -> None:
         self._closing = True
         signal.set_wakeup_fd(self._wakeup)
-        for signum, handler in self._handlers.items():
+        for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
         os.write(self._write, b"\0")  # wakes the thread, which then returns
         self._thread.join()
@@ -320,7 +322,7 @@ def _take_back_sigterm(trainer: Trainer) -> None:
     Lightning's handler broadcasts from inside the signal handler, a collective out of turn with whatever the main
     thread is doing; the watchdog sets the same flag and forwards the signal without one.
     """
-    if _WATCH is None:
+    if _WATCH is None or signal.SIGTERM not in _WATCH.handlers:
         return
     signal.signal(signal.SIGTERM, _hear)
     if _WATCH.heard_at is not None:  # Lightning clears the flag when it starts running
