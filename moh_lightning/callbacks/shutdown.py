@@ -9,13 +9,13 @@ missing ranks.
   Python's wakeup file descriptor, so also while the main thread is blocked in C (a collective waiting for a hung
   rank), where Python runs no signal handler, and forwards it to the ranks its process started. When no step ends
   within ``grace_period`` seconds, every process of the run is ended (ranks and loader workers, SIGKILL) and rank 0
-  says why, what was saved and how to resume; a second signal does that at once. (SLURM's ``scancel`` sends SIGTERM,
-  then SIGKILL after its ``KillWait``, 30 s by default; a container stop or a cloud preemption allows about as long.)
+  says why, what was saved and how to resume; a second signal does that at once. (SLURM sends SIGTERM, then SIGKILL
+  after its ``KillWait``, 30 s by default; a container stop or a cloud preemption allows about as long.)
 * Every collective waits at most ``collective_timeout`` seconds (torch's default is 30 minutes). A rank whose
   collective fails (a timeout, or a peer whose connection closed) reports it in the run's store (torch.distributed's
   ``TCPStore`` on rank 0), waits a few seconds for the others to report theirs, names the ranks that did not, and
-  tells the run to stop: each rank's watchdog polls the store, so the ranks of other nodes stop too, as they do when
-  the store no longer answers (rank 0 gone).
+  tells the run to stop: each rank's watchdog polls the store, and every rank, on every node, ends at once (nothing is
+  left to save: saving needs every rank), as it does when the store no longer answers (rank 0 gone).
 * No process outlives the run: ranks that Lightning's launcher starts as subprocesses get SIGTERM when their parent
   ends, however it ends (Linux's parent-death signal, as torch.multiprocessing gives the processes it starts); loader
   workers end with their rank (torch's worker watchdog) and ignore Ctrl-C, which a terminal sends to every process:
@@ -46,8 +46,8 @@ from torch.distributed.constants import default_pg_timeout
 from moh_lightning.callbacks import lightning_compat as compat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# A stop signal this soon after the first is the same request: a terminal's Ctrl-C and SLURM's scancel reach every
-# process of the run, which also gets the copy its launcher forwards.
+# A stop signal this soon after the first is the same request: a terminal's Ctrl-C reaches every process of the run,
+# which also gets the copy its launcher forwards.
 _SAME_REQUEST_S = 1.0
 # The launching process of forked ranks waits this much longer than they do: they end themselves and say why.
 _LAUNCHER_MARGIN_S = 5.0
