@@ -41,6 +41,7 @@ from moh_lightning.callbacks import (
     StepCheckpoint,
 )
 from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
+from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.configs import expand_config
 from moh_lightning.errors import UsageError
 from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
@@ -180,8 +181,8 @@ class MoHLightningCLI(LightningCLI):
 
     The callbacks every run needs are always on, each configured under its own key: ``head_load``
     (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard``,
-    ``run_summary``, ``throughput`` (``MoHThroughputMonitor``) and ``predictions`` (``PredictionWriter``, what
-    ``moh predict`` writes).
+    ``run_summary``, ``throughput`` (``MoHThroughputMonitor``), ``predictions`` (``PredictionWriter``, what
+    ``moh predict`` writes) and ``shutdown`` (``RunShutdown``).
     ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
     run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
     or other workers continue, with one line saying what changed.
@@ -223,6 +224,7 @@ class MoHLightningCLI(LightningCLI):
         parser.add_lightning_class_args(RunSummary, "run_summary")
         parser.add_lightning_class_args(MoHThroughputMonitor, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+        parser.add_lightning_class_args(RunShutdown, "shutdown")
         # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
         # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
         # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
@@ -269,6 +271,11 @@ class MoHLightningCLI(LightningCLI):
         logger_args.save_dir, logger_args.name, logger_args.version = str(run), "eval", version
         # The run's checkpoint callbacks keep the training folder they saved in; nothing is saved while evaluating.
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+    def fit(self, **kwargs) -> None:
+        # SIGTERM, Ctrl-C, a hung rank and a lost node end every process of the run (callbacks/shutdown.py).
+        with run_as_a_whole(self.trainer):
+            self.trainer.fit(**kwargs)
 
     def before_test(self) -> None:
         if not is_overridden("test_step", self.model):

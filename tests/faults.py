@@ -1,4 +1,9 @@
-"""Callbacks that inject crashes into a training run, for the resume tests."""
+"""Callbacks that inject crashes, hangs and lost nodes into a training run, for the reliability tests."""
+import os
+import signal
+import time
+from pathlib import Path
+
 from lightning.pytorch import Callback
 
 
@@ -22,3 +27,29 @@ class CrashInValidation(Callback):
     def on_validation_start(self, trainer, pl_module) -> None:
         if trainer.global_step == self.step and not trainer.sanity_checking:
             raise RuntimeError(f"injected crash in the validation at step {self.step}")
+
+
+class HangAtStep(Callback):
+    """Rank ``rank`` stops making progress before training step ``step`` (sleeps ``seconds``), as a deadlock would;
+    every rank first writes ``at_step_<step>_rank<rank>`` in the working folder, holding its pid."""
+
+    def __init__(self, step: int, rank: int = 1, seconds: float = 600.0) -> None:
+        self.step, self.rank, self.seconds = step, rank, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            Path(f"at_step_{self.step}_rank{trainer.global_rank}").write_text(str(os.getpid()))
+            if trainer.global_rank == self.rank:
+                time.sleep(self.seconds)
+
+
+class KillNodeAtStep(Callback):
+    """SIGKILLs the process group of rank ``rank`` before training step ``step``: its node lost, loader workers and
+    all, at once (run each node in a session of its own)."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -9,11 +9,14 @@ pyproject.toml caps Lightning at the versions that test has passed on.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.call import _interrupt
 
 # Import path of every private Lightning name used below: ``module.function`` or ``module.Class.attribute``
 # (attributes that Lightning sets on instances included).
@@ -32,6 +35,9 @@ PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._every_n_train_steps",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._last_global_step_saved",
     "lightning.pytorch.callbacks.progress.rich_progress.RichProgressBar._get_train_description",
+    "lightning.pytorch.trainer.trainer.Trainer._signal_connector",
+    "lightning.pytorch.trainer.call._interrupt",
+    "lightning.pytorch.strategies.ddp.DDPStrategy._timeout",
 )
 
 
@@ -93,6 +99,27 @@ def train_loader_states(checkpoint: dict[str, Any]) -> list | None:
 def set_train_loader_states(checkpoint: dict[str, Any], states: list) -> None:
     """Replaces the train loaders' states in a loaded checkpoint dict, before Lightning restores the loops from it."""
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+
+
+def request_stop(trainer: Trainer) -> None:
+    """Sets the flag Lightning's SIGTERM handler sets: its loops stop after the current batch (``SIGTERMException``)."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def interrupt(trainer: Trainer, exception: BaseException) -> None:
+    """What ``Trainer.fit`` does with an exception before re-raising it: the callbacks' and the data module's
+    ``on_exception``, the strategy's, and the loggers finalized as failed."""
+    _interrupt(trainer, exception)
+
+
+def collective_timeout(strategy: Strategy) -> timedelta | None:
+    """The timeout a distributed strategy (DDP, FSDP, DeepSpeed, model parallel) gives its process group, if any."""
+    return getattr(strategy, "_timeout", None)
+
+
+def set_collective_timeout(strategy: Strategy, timeout: timedelta) -> None:
+    """Sets it; the process group is created with it when the strategy sets up (after launching)."""
+    strategy._timeout = timeout
 
 
 class MoHRichProgressBar(RichProgressBar):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import signal
-import sys
 from typing import Any
 
 import numpy as np
@@ -14,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from moh_lightning.callbacks import lightning_compat as compat
+from moh_lightning.callbacks.shutdown import newest_checkpoint, say, stop_signal
 from moh_lightning.data.loaders import saved_worker_count
 
 
@@ -23,11 +23,12 @@ class StepCheckpoint(ModelCheckpoint):
     ``last.ckpt`` is rewritten at every save and at the end of fit. ``dirpath`` defaults to the run folder's
     ``checkpoints/`` (``runs/<name>/version_N/checkpoints``), where ``moh fit --ckpt_path last`` looks for it.
 
-    SIGTERM (cloud preemption, ``kill``, a container or job stop): Lightning's signal handler only records it
-    (``trainer.received_sigterm``) and its loops raise ``SIGTERMException`` after the current batch. This callback
-    writes ``last.ckpt`` at the end of that batch (after every other callback's ``on_train_batch_end``, EMA
-    included, as Lightning runs checkpoint callbacks last), and turns the exit into a non-zero one (``EXIT_CODE``,
-    128 + SIGTERM as a shell reports a process the signal ended) with one line naming the step and the file.
+    SIGTERM (cloud preemption, ``kill``, a container or job stop) and, under ``moh fit``, Ctrl-C: the signal is only
+    recorded (``trainer.received_sigterm``; ``shutdown.RunShutdown`` ends the run if no step ends in time) and
+    Lightning's loops raise ``SIGTERMException`` after the current batch. This callback writes ``last.ckpt`` at the
+    end of that batch (after every other callback's ``on_train_batch_end``, EMA included, as Lightning runs
+    checkpoint callbacks last), and turns the exit into a non-zero one (``EXIT_CODE``, 128 + SIGTERM as a shell
+    reports a process the signal ended; 130 for Ctrl-C's SIGINT) with one line naming the step and the file.
     ``--ckpt_path last`` then continues exactly; the validation due after that step, if any, is not run (Lightning
     cuts it short on SIGTERM).
     """
@@ -83,26 +84,29 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.world_size == 1 and not compat.skips_saving(self, trainer) \
                 and not compat.accumulates_gradients(trainer):
             compat.save_last(self, trainer)
-        saved = compat.last_saved_step(self)
+        saved, stopped_by = compat.last_saved_step(self), stop_signal()
         if saved == trainer.global_step and self.last_model_path:
-            message = (f"moh: stopped by SIGTERM after step {saved}; saved {self.last_model_path}. Continue with "
-                       f"the same command and --ckpt_path last.")
+            message = (f"moh: stopped by {stopped_by.name} after step {saved}; saved {self.last_model_path}. Continue "
+                       f"with the same command and --ckpt_path last.")
         else:
-            newest = f"{self.last_model_path} (step {saved})" if self.last_model_path else "none"
-            message = (f"moh: stopped by SIGTERM at step {trainer.global_step} without a new checkpoint; the newest "
-                       f"is {newest}. Continue with the same command and --ckpt_path last.")
+            message = (f"moh: stopped by {stopped_by.name} at step {trainer.global_step} without a new checkpoint; "
+                       f"the newest is {newest_checkpoint(trainer)}. Continue with the same command and --ckpt_path "
+                       f"last.")
         if trainer.is_global_zero:
-            print(message, file=sys.stderr, flush=True)
+            say(message)
         # Lightning re-raises this very exception after the callbacks' on_exception: a SystemExit whose code is
         # None, which would end the process with 0 as if training had finished.
-        exception.code = self.EXIT_CODE
+        exception.code = 128 + stopped_by
 
 
 def _sigterm_received(trainer: Trainer) -> bool:
-    """Whether any rank received SIGTERM: all ranks then save at this same step (saving gathers from all)."""
+    """Whether any rank received SIGTERM: all ranks then save at this same step (saving gathers from all), and stop
+    after it (Lightning stops where the flag is set; a rank on another node may not have had the signal)."""
     received = trainer.received_sigterm
     if trainer.world_size > 1:
         received = trainer.strategy.reduce_boolean_decision(received, all=False)
+        if received and not trainer.received_sigterm:
+            compat.request_stop(trainer)
     return received
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.strategies import DDPStrategy
 
-from moh_lightning.callbacks import lightning_compat, reliability
+from moh_lightning.callbacks import lightning_compat, reliability, shutdown
 from moh_lightning.callbacks.lightning_compat import PRIVATE_LIGHTNING_NAMES, MoHRichProgressBar
 from moh_lightning.cli import MoHLightningCLI
 
@@ -37,10 +38,12 @@ def _resolve_owner(path: str) -> tuple[object, str]:
 
 @pytest.fixture(scope="module")
 def instances(tmp_path_factory) -> list[object]:
-    """Real objects of the classes whose instance attributes are listed: a tiny Trainer's loops, a ModelCheckpoint."""
+    """Real objects of the classes whose instance attributes are listed: a tiny Trainer and its loops, a
+    ModelCheckpoint, a DDP strategy."""
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, max_steps=1)
-    return [trainer.fit_loop, trainer.fit_loop.epoch_loop, ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt"))]
+    return [trainer, trainer.fit_loop, trainer.fit_loop.epoch_loop,
+            ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt")), DDPStrategy()]
 
 
 @pytest.mark.parametrize("path", PRIVATE_LIGHTNING_NAMES)
@@ -73,11 +76,12 @@ def test_every_private_name_used_by_the_compat_module_is_listed() -> None:
     assert not unlisted, f"lightning_compat.py uses {sorted(unlisted)}: list them in PRIVATE_LIGHTNING_NAMES"
 
 
-def test_reliability_uses_no_private_lightning_name() -> None:
+@pytest.mark.parametrize("module", [reliability, shutdown], ids=lambda module: module.__name__.rpartition(".")[2])
+def test_the_reliability_callbacks_use_no_private_lightning_name(module) -> None:
     listed = {path.rsplit(".", 1)[1] for path in PRIVATE_LIGHTNING_NAMES}
-    used = _private_names_used(reliability) & listed
-    assert not used, f"reliability.py uses {sorted(used)}: go through lightning_compat"
-    tree = ast.parse(Path(reliability.__file__).read_text())
+    used = _private_names_used(module) & listed
+    assert not used, f"{module.__name__} uses {sorted(used)}: go through lightning_compat"
+    tree = ast.parse(Path(module.__file__).read_text())
     private_imports = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                        and (node.module or "").startswith("lightning") for alias in node.names
                        if alias.name.startswith("_")]

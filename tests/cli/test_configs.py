@@ -80,8 +80,8 @@ def _task_hparams(task: dict) -> dict:
     return out
 
 
-# Callbacks added to every run since the snapshot; they write or print, and change no training.
-ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor", "PredictionWriter"}
+# Callbacks added to every run since the snapshot; they write, print or end a stopped run, and change no training.
+ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor", "PredictionWriter", "RunShutdown"}
 # Lightning's Rich progress bar became the suite's, which labels unlimited epochs ("Epoch 0", not "Epoch 0/-2").
 RENAMED_CALLBACKS = {"MoHRichProgressBar": "RichProgressBar"}
 

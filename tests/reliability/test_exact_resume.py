@@ -274,21 +274,28 @@ def _moh(folder: Path, *args: str) -> subprocess.Popen:
     folder.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     return subprocess.Popen([MOH, "fit", *VIT, *args], cwd=folder, env=env, stdout=open(folder / "out.txt", "w"),
-                            stderr=open(folder / "err.txt", "w"))
+                            stderr=open(folder / "err.txt", "w"), start_new_session=True)
 
 
-def test_sigterm_saves_at_the_step_boundary_exits_non_zero_and_resumes_exactly(uninterrupted, tmp_path):
-    folder = tmp_path / "sigterm"
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda stop: stop.name)
+def test_a_stop_signal_saves_at_the_step_boundary_exits_non_zero_and_resumes_exactly(stop, uninterrupted, tmp_path):
+    """SIGTERM as `kill`, a container stop or a cloud preemption sends it (to `moh`); Ctrl-C's SIGINT as a terminal
+    sends it, to every process of the run: the loader workers leave it to their process, which stops after the step.
+    Before, Ctrl-C ended the run with Lightning's "Detected KeyboardInterrupt", exit code 1 and no checkpoint."""
+    folder = tmp_path / stop.name
     run = _moh(folder, "--trainer.callbacks+=test_exact_resume.SignalWindow")
     deadline = time.monotonic() + 300
     while not (folder / "in_step_4").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    run.send_signal(signal.SIGTERM)  # as `kill`, a container stop or a cloud preemption does, inside step 4
-    assert run.wait(timeout=120) == StepCheckpoint.EXIT_CODE == 143
+    if stop == signal.SIGTERM:
+        run.send_signal(stop)  # inside step 4
+    else:
+        os.killpg(run.pid, stop)
+    assert run.wait(timeout=120) == 128 + stop and StepCheckpoint.EXIT_CODE == 143
     lines = (folder / "err.txt").read_text().splitlines()
     assert [line for line in lines if line.startswith("moh: ")] == [
-        f"moh: stopped by SIGTERM after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. Continue "
-        f"with the same command and --ckpt_path last."], lines[-20:]
+        f"moh: stopped by {stop.name} after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
+        f"Continue with the same command and --ckpt_path last."], lines[-20:]
     # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
     assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 4
     _fit(folder, "--ckpt_path", "last")

@@ -1,0 +1,199 @@
+"""A run ends as a whole: SIGTERM to a run whose rank hangs, a hung rank and no signal, a lost node and its resume.
+
+Each `moh fit` starts in a session of its own (each node of the 2-node run in its own); after each scenario no process
+of those sessions may remain, and whatever a failing test leaves is killed by PID. The runs are the exact-resume tests'
+embedded ViT (one block, 2 loader workers a rank, 7 steps, checkpoints every 3) on 2 gloo processes: forked by
+Lightning (`ddp_fork`) for the hung rank, one `moh fit` a node on loopback for the lost node. Rank 1 stops making
+progress before step 4 (``faults.HangAtStep``), while rank 0 waits for it in that step's first collective.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from conftest import pythonpath
+from lightning.pytorch.strategies import DDPStrategy
+from test_checkpoint_files import _load
+from test_exact_resume import RUN, VIT, _assert_same_run
+from torch.distributed.constants import default_pg_timeout
+
+from moh_lightning.callbacks import RunShutdown
+from moh_lightning.callbacks.lightning_compat import collective_timeout
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+FORKED = ["--trainer.strategy=ddp_fork", "--trainer.devices=2", "--trainer.accelerator=cpu"]
+HANG = ["--trainer.callbacks+=faults.HangAtStep", "--trainer.callbacks.step=4"]
+LAST = RUN / "version_0" / "checkpoints" / "last.ckpt"
+AGAIN = "Continue with the same command and --ckpt_path last."
+
+
+class Runs:
+    """The `moh fit` processes a test starts, each the leader of a session of its own, and what is left of them."""
+
+    def __init__(self) -> None:
+        self.leaders: list[subprocess.Popen] = []
+
+    def start(self, folder: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        folder.mkdir(exist_ok=True)
+        n = len(list(folder.glob("err*.txt")))  # err0.txt, err1.txt, ... in the order started in this folder
+        env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": "1", **(env or {})}
+        process = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *VIT, *args], cwd=folder,
+                                   env=env, stdout=open(folder / f"out{n}.txt", "w"),
+                                   stderr=open(folder / f"err{n}.txt", "w"), start_new_session=True)
+        self.leaders.append(process)
+        return process
+
+    def left(self) -> list[psutil.Process]:
+        """The live processes of the runs' sessions (a zombie has ended; only its parent's exit status is left)."""
+        sessions, found = {leader.pid for leader in self.leaders}, []
+        for process in psutil.process_iter(["status"]):
+            with suppress(psutil.Error, OSError):
+                if os.getsid(process.pid) in sessions and process.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+        return found
+
+    def assert_none_left(self, within: float = 10.0) -> None:
+        deadline = time.monotonic() + within
+        while (left := self.left()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, [(process.pid, process.info["status"]) for process in left]
+
+    def kill_all(self) -> None:
+        for process in self.left():
+            with suppress(psutil.Error):
+                process.kill()
+
+
+@pytest.fixture
+def runs():
+    started = Runs()
+    yield started
+    started.kill_all()
+
+
+def _wait_for(path: Path, run: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert run.poll() is None and time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+def _said(folder: Path, n: int = 0) -> list[str]:
+    return [line for line in (folder / f"err{n}.txt").read_text().splitlines() if line.startswith("moh: ")]
+
+
+def test_sigterm_to_forked_ranks_saves_at_the_step_boundary_and_ends_them_all(runs, tmp_path):
+    """The step ends within the grace period (rank 0 lingers 2 s in step 5): both ranks save there and stop. Before,
+    `moh` (the launching process, where Lightning handles no signal) ended at once without a word, and its ranks
+    trained on without it (measured: to the run's end, step=0000006.ckpt written after the signal)."""
+    run = runs.start(tmp_path, *FORKED, "--trainer.callbacks+=faults.HangAtStep", "--trainer.callbacks.step=4",
+                     "--trainer.callbacks.rank=0", "--trainer.callbacks.seconds=2")
+    _wait_for(tmp_path / "at_step_4_rank0", run)
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 143
+    assert _said(tmp_path) == [f"moh: stopped by SIGTERM after step 5; saved {LAST}. {AGAIN}"]
+    assert _load(tmp_path / LAST)["global_step"] == 5
+    runs.assert_none_left()
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, tmp_path):
+    """One SIGTERM: no step ends, so after the grace period every rank and loader worker is ended; a second SIGTERM
+    ends them at once. Either way one line says why, what was saved and how to resume."""
+    grace = 5 if signals == 1 else 60
+    run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.grace_period={grace}")
+    _wait_for(tmp_path / "at_step_4_rank1", run)
+    _wait_for(tmp_path / "at_step_4_rank0", run)
+    time.sleep(1)  # rank 0 is in the step's first collective, where Python runs no signal handler
+    sent = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    if signals == 2:
+        time.sleep(1.5)
+        run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=grace + 60) == 143
+    took = time.monotonic() - sent
+    why = (f"no step ended within the {grace} s grace period" if signals == 1 else
+           "a second SIGTERM ended it at once")
+    assert _said(tmp_path) == [f"moh: stopped by SIGTERM at step 4: {why}, so every process of the run was ended; "
+                               f"the newest checkpoint is {LAST} (step 3). {AGAIN}"]
+    assert (grace <= took < grace + 15) if signals == 1 else took < 15, took
+    runs.assert_none_left()
+    assert _load(tmp_path / LAST)["global_step"] == 3
+
+
+def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_path):
+    timeout = 15
+    run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.collective_timeout={timeout}", "--shutdown.grace_period=5")
+    _wait_for(tmp_path / "at_step_4_rank0", run)
+    started = time.monotonic()
+    assert run.wait(timeout=timeout + 60) == 1
+    took = time.monotonic() - started
+    said = _said(tmp_path)
+    assert len(said) == 1 and said[0].startswith(f"moh: rank 0: a collective failed at step 4 (Timed out waiting "
+                                                 f"{timeout * 1000}ms for "), said
+    assert said[0].endswith(f"rank 1 did not reach it (hung, or its process or node is gone). Every process of the "
+                            f"run ends; the newest checkpoint is {LAST} (step 3). Once every rank can run, continue "
+                            f"with the same command and --ckpt_path last."), said
+    assert "Traceback" not in (tmp_path / "err0.txt").read_text()
+    assert timeout <= took < timeout + 25, took  # the timeout, the others' reports (5 s), rank 1's poll of the store
+    runs.assert_none_left()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
+    """`moh fit` twice, as on two machines of one process each that share the run folder (NODE_RANK 0 and 1)."""
+    address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    return [runs.start(folder, "--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1",
+                       "--trainer.accelerator=cpu", "--shutdown.collective_timeout=60", *args,
+                       env={**address, "NODE_RANK": str(node)}) for node in (0, 1)]
+
+
+def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_path):
+    expected = tmp_path / "uninterrupted"
+    assert [node.wait(timeout=600) for node in _two_nodes(runs, expected)] == [0, 0]
+
+    folder = tmp_path / "lost"
+    survivor, lost = _two_nodes(runs, folder, "--trainer.callbacks+=faults.KillNodeAtStep",
+                                "--trainer.callbacks.step=5")
+    assert lost.wait(timeout=600) == -signal.SIGKILL  # node 1, loader workers and all, before step 5
+    killed = time.monotonic()
+    assert survivor.wait(timeout=120) == 1
+    assert time.monotonic() - killed < 30  # its next collective fails at once; 5 s for the others' reports
+    said = _said(folder)
+    # gloo's words for the closed connection vary ("Connection closed by peer", "Read error ...: Connection reset").
+    assert len(said) == 1 and said[0].startswith("moh: rank 0: a collective failed at step 5 (") \
+        and "Connection" in said[0], said
+    assert f"; rank 1 did not reach it (hung, or its process or node is gone). Every process of the run ends; the " \
+           f"newest checkpoint is {LAST} (step 3)." in said[0]
+    runs.assert_none_left()
+
+    assert [node.wait(timeout=600) for node in _two_nodes(runs, folder, "--ckpt_path", "last")] == [0, 0]
+    _assert_same_run(expected, folder)
+    assert f"Restoring states from the checkpoint path at {LAST}" in (folder / "err2.txt").read_text()
+    runs.assert_none_left()
+
+
+def test_collectives_are_bounded_unless_the_strategy_has_a_timeout_of_its_own():
+    shutdown, default, own = RunShutdown(collective_timeout=90), DDPStrategy(), DDPStrategy(timeout=timedelta(hours=2))
+    assert collective_timeout(default) == default_pg_timeout == timedelta(minutes=30)
+    for strategy in (default, own):
+        shutdown.bound_collectives(SimpleNamespace(strategy=strategy))
+    assert collective_timeout(default) == timedelta(seconds=90) and collective_timeout(own) == timedelta(hours=2)
+    with pytest.raises(ValueError, match="grace_period=0"):
+        RunShutdown(grace_period=0)
