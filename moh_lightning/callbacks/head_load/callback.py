@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers.logger import DummyLogger
 
 from moh_lightning.callbacks.head_load.counting import HeadLoadCounter
 from moh_lightning.callbacks.head_load.loads import SUMMARY_FILE, mean_load_entropy
 from moh_lightning.callbacks.head_load.loggers import adapter
 from moh_lightning.callbacks.head_load.render import figure_rgb, group_card, layer_card, loads_over_time, save_png
 from moh_lightning.callbacks.head_load.summary import DEFAULT_HPARAM_METRICS, run_hparams, summary_markdown
+from moh_lightning.callbacks.logger_runs import logged_earlier, record_logged, run_folder
 from moh_lightning.tasks.base import MoHTask
 
 
@@ -159,17 +159,19 @@ class HeadLoadCallback(Callback):
         if path is not None:
             save_png(rgb, path)
         for logger in trainer.loggers:
-            adapter(logger).image(tag, rgb, trainer.global_step)
+            if not logged_earlier(logger, tag, trainer.global_step):  # a resumed run repeats the steps after its
+                adapter(logger).image(tag, rgb, trainer.global_step)  # checkpoint: no second image of one step
+                record_logged(logger, tag, trainer.global_step)
 
 
 def _head_load_folder(trainer: Trainer) -> Path | None:
     """``head_load/`` in the run's own folder (the first logger's adapter says where), on rank 0; None on the other
     ranks and for a run without a run folder (no logger, or ``fast_dev_run``), which writes nothing. Call it on every
-    rank: ``trainer.log_dir`` broadcasts from rank 0 under DDP / FSDP, and rank 0 would wait forever."""
-    log_dir = trainer.log_dir
-    if log_dir is None or all(isinstance(logger, DummyLogger) for logger in trainer.loggers):
-        return None  # without a logger Lightning's log_dir is the working folder, which is not the run's
-    return adapter(trainer.logger).folder(Path(log_dir)) if trainer.is_global_zero else None
+    rank: the run folder is broadcast from rank 0 under DDP / FSDP, and rank 0 would wait forever."""
+    folder = run_folder(trainer)
+    if folder is None:
+        return None
+    return adapter(trainer.logger).folder(folder) if trainer.is_global_zero else None
 
 
 def _scalar(value) -> float | None:
