@@ -210,7 +210,7 @@ def test_wandb_offline_run_gets_heatmaps_tables_summary_metrics_and_config(tmp_p
 
 
 @pytest.mark.slow
-def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch):
+def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch, mlflow_uri_unset):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 

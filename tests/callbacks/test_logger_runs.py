@@ -152,7 +152,8 @@ def mlflow_server(tmp_path_factory):
 @pytest.mark.parametrize(("store", "stop"), [
     ("sqlite", signal.SIGINT),
     pytest.param("server", signal.SIGTERM, marks=pytest.mark.server)])
-def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, stop, run_dir, capsys, request):
+def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, stop, run_dir, capsys, request,
+                                                                         mlflow_uri_unset):
     from mlflow import MlflowClient
 
     logger = list(LOGGERS["mlflow"])

@@ -61,6 +61,7 @@ class HeadLoadCallback(Callback):
         self.counter = HeadLoadCounter(low_load, collapse_windows, timestep_buckets)
         self._windows = 0
         self._hparams: dict[str, Any] = {}
+        self._run = ""
 
     @property
     def collapsed_heads(self) -> list[tuple[int, int]]:
@@ -69,6 +70,7 @@ class HeadLoadCallback(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
+        self._run = _run_name(trainer)  # here, where every rank asks (the run folder is broadcast)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.counter.find_layers(pl_module)
@@ -84,7 +86,7 @@ class HeadLoadCallback(Callback):
         if not self.counter.count_train_batch() or self.counter.window_batches < self._window:
             return
         snapshot, metrics = self.counter.close_window(trainer.strategy.reduce, trainer.global_step,
-                                                      trainer.current_epoch, _run_name(trainer),
+                                                      trainer.current_epoch, self._run,
                                                       warn=trainer.is_global_zero)
         self._windows += 1
         if not trainer.is_global_zero:
@@ -110,7 +112,7 @@ class HeadLoadCallback(Callback):
         if trainer.sanity_checking:
             return
         snapshot = self.counter.close_validation(
-            trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, _run_name(trainer),
+            trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, self._run,
             lambda kind, count: _group_labels(trainer, pl_module, kind, count))
         if snapshot is None:
             return
@@ -142,7 +144,7 @@ class HeadLoadCallback(Callback):
         if snapshot is None:
             why = ("no logging window completed" if self.counter.routed_layers()
                    else "a dense model: no layer has routed heads")
-            text = f"# Head load at the end of {_run_name(trainer) or 'the run'}\n\nNo routed head measured ({why}).\n"
+            text = f"# Head load at the end of {self._run or 'the run'}\n\nNo routed head measured ({why}).\n"
         else:
             text = summary_markdown(snapshot, self.counter.collapse_events, self._hparams, metrics, self.low_load)
         folder.mkdir(parents=True, exist_ok=True)
@@ -184,11 +186,9 @@ def _scalar(value) -> float | None:
 
 
 def _run_name(trainer: Trainer) -> str:
-    logger = trainer.logger
-    if logger is None:
-        return ""
-    name, version = logger.name or "", logger.version
-    return f"{name}/version_{version}" if isinstance(version, int) else f"{name}/{version}" if version else name
+    """The run as its folder names it, ``<name>/version_N``, whatever the logger ("" without a run folder)."""
+    folder = run_folder(trainer)
+    return "" if folder is None else f"{folder.parent.name}/{folder.name}"
 
 
 def _num_timesteps(pl_module: LightningModule) -> int:
