@@ -83,17 +83,21 @@ def describe(logger: Logger) -> list[str]:
 
 
 class _Ledger:
-    """The last step at which each metric of one logger was logged, kept in the run folder's ``logged_steps.json``.
+    """The last step at which each metric of one logger run was logged, kept in the run folder's
+    ``logged_steps.json`` under the logger's kind and, for MLflow and W&B, its run id (another run of theirs in the
+    same folder, as with a ``default_root_dir`` given by hand, starts with nothing logged).
 
     ``earlier`` holds what the run's earlier parts logged (read once, when this part starts), ``logged`` adds this
-    part's; the file is rewritten when the logger saves or finalises (after it has written what it was given).
+    part's; the file, ``saved`` (shared by the loggers of one run), is rewritten when a logger saves or finalises
+    (after it has written what it was given).
     """
 
-    def __init__(self, path: Path, kind: str) -> None:
-        self.path, self.kind = path, kind
-        self.saved = json.loads(path.read_text()) if path.is_file() else {}
-        self.earlier: dict[str, int] = dict(self.saved.get(kind, {}))
-        self.logged = self.saved.setdefault(kind, {})
+    def __init__(self, path: Path, saved: dict[str, dict[str, int]], logger: Logger) -> None:
+        run = identity(logger)
+        key = " ".join(str(run[part]) for part in ("logger", "run_id") if part in run)
+        self.path, self.saved = path, saved
+        self.earlier: dict[str, int] = dict(saved.get(key, {}))
+        self.logged = saved.setdefault(key, {})
 
     def new(self, key: str, step: int | None) -> bool:
         return step is None or step > self.earlier.get(key, -1)
@@ -125,11 +129,11 @@ def record_logged(logger: Logger, key: str, step: int) -> None:
         ledger.record([key], step)
 
 
-def _follow_logged_steps(logger: Logger, path: Path) -> None:
+def _follow_logged_steps(logger: Logger, path: Path, saved: dict[str, dict[str, int]]) -> None:
     """Wraps ``logger``'s ``log_metrics`` to drop what an earlier part of the run logged, and its ``save`` and
     ``finalize`` to keep the ledger. On the instance, since every caller (Lightning's loop, callbacks, W&B's own
     ``log_image``) reaches the logger through it, and a wrapping logger would not be the kind Lightning checks for."""
-    ledger = _LEDGERS[logger] = _Ledger(path, type(logger).__name__)
+    ledger = _LEDGERS[logger] = _Ledger(path, saved, logger)
     log_metrics, save, finalize = logger.log_metrics, logger.save, logger.finalize
 
     @functools.wraps(log_metrics)
@@ -226,9 +230,12 @@ class LoggerRuns(Callback):
         folder = run_folder(trainer)
         if folder is None or not trainer.is_global_zero:
             return
+        path = folder / LEDGER
+        saved = json.loads(path.read_text()) if path.is_file() else {}
         for logger in trainer.loggers:
-            if logger not in _LEDGERS:
-                _follow_logged_steps(logger, folder / LEDGER)
+            if logger in _LEDGERS:  # set up by an earlier stage of this trainer
+                continue
+            _follow_logged_steps(logger, path, saved)
             if isinstance(logger, MLFlowLogger):
                 _keep_first_params(logger)
                 if logger.experiment.get_run(logger.run_id).info.status != "RUNNING":

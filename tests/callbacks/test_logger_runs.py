@@ -50,8 +50,8 @@ class PauseInStep5(Callback):
             time.sleep(5)
 
 
-def _fit_and_stop(folder: Path, logger: list[str], stop: signal.Signals) -> None:
-    """``moh fit`` in a process of its own, stopped in step 5 by ``stop`` (SIGINT as Ctrl-C sends it)."""
+def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:
+    """``moh fit`` in a process of its own, stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it)."""
     env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads()),
            "WANDB_SILENT": "true"}
     # A process started in the background ignores SIGINT, and its children would too: Ctrl-C is restored for it.
@@ -62,8 +62,8 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: signal.Signals) -> None
     deadline = time.monotonic() + 300
     while not (folder / "paused").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    run.send_signal(stop)
-    assert run.wait(timeout=120) == (143 if stop == signal.SIGTERM else 1), (folder / "err.txt").read_text()[-3000:]
+    run.send_signal(getattr(signal, stop))
+    assert run.wait(timeout=120) == (143 if stop == "SIGTERM" else 1), (folder / "err.txt").read_text()[-3000:]
 
 
 def _continue_and_validate(logger: list[str], capsys) -> str:
@@ -100,7 +100,7 @@ def _assert_run_folder(folder: Path, head_load: bool = True) -> None:
     assert (run / "head_load" / "summary.md").is_file() == head_load
 
 
-@pytest.mark.parametrize(("kind", "stop"), [("tensorboard", signal.SIGTERM), ("csv", signal.SIGINT)])
+@pytest.mark.parametrize(("kind", "stop"), [("tensorboard", "SIGTERM"), ("csv", "SIGINT")])
 def test_a_folder_logger_run_continues_in_its_folder_without_a_step_twice(kind, stop, run_dir, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -150,8 +150,8 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("store", "stop"), [
-    ("sqlite", signal.SIGINT),
-    pytest.param("server", signal.SIGTERM, marks=pytest.mark.server)])
+    ("sqlite", "SIGINT"),
+    pytest.param("server", "SIGTERM", marks=pytest.mark.server)])
 def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, stop, run_dir, capsys, request,
                                                                          mlflow_uri_unset):
     from mlflow import MlflowClient
@@ -185,7 +185,7 @@ def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, 
 
 
 def test_a_wandb_offline_run_is_continued_under_its_id_without_a_step_twice(run_dir, capsys):
-    _fit_and_stop(run_dir, LOGGERS["wandb"], signal.SIGINT)
+    _fit_and_stop(run_dir, LOGGERS["wandb"], "SIGINT")
     printed = _continue_and_validate(LOGGERS["wandb"], capsys)
     _assert_run_folder(run_dir, head_load=False)  # a W&B run's head_load/ goes with its files
     parts = sorted((run_dir / RUN / "wandb").glob("offline-run-*"))
