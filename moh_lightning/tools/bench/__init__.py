@@ -116,12 +116,18 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
     command = "moh bench --quick true" if quick else command
     load_before, started = os.getloadavg(), time.time()
     print(f"moh bench: {len(sections)} sections, each written to {path} as it finishes", flush=True)
+    # One thread's CPU time is what a busy machine cannot disturb; anything else it can.
+    disturbed = not (timer.cpu_time and torch.get_num_threads() == 1)
+    busy = shared_machine(load_before, load_before)
+    if busy and disturbed:
+        print(f"moh bench: {busy}; its timings will be noisy, and `--threads 1 --clock "
+              f"cpu` measures one thread's work instead.", flush=True)
     for done, (name, measure) in enumerate(sections.items(), 1):
         print(f"moh bench: [{done}/{len(sections)}] {name} ...", flush=True)
         section_started = time.time()
         measure()
         load_after = os.getloadavg()
-        report.shared_machine = shared_machine(load_before, load_after)
+        report.shared_machine = shared_machine(load_before, load_after) if disturbed else ""
         page_header = header(load_before, load_after, time.time() - started, command, repeats, warmup,
                              timer.cpu_time)
         report.write(path, page_header, still_to_measure=list(sections)[done:])
