@@ -284,7 +284,8 @@ class MoHLightningCLI(LightningCLI):
                              f"scores its validation split.")
 
     def _resume_last(self, config, logger_args) -> None:
-        """Points ``ckpt_path`` and the logger's version at this run name's newest checkpoint that loads, if any."""
+        """Points ``ckpt_path`` at this run name's newest checkpoint that loads, if any, and the logger at that run
+        (TensorBoard's and CSV's version folder; the MLflow or W&B run kept in the checkpoint, in its folder)."""
         found = latest_loadable_checkpoint(run_root(config.trainer.logger, self.run_name or "default"))
         if found is None:
             config.ckpt_path = None  # the first start of a run that will be resumed later: start fresh
