@@ -35,16 +35,27 @@ from moh_lightning.callbacks import (
     ExactResumeCallback,
     FiniteLossGuard,
     HeadLoadCallback,
+    LoggerRuns,
     MoHThroughputMonitor,
     PredictionWriter,
     RunSummary,
     StepCheckpoint,
 )
 from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
+from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.configs import expand_config
 from moh_lightning.errors import UsageError
-from moh_lightning.runs import check_resumable, latest_loadable_checkpoint, record_changes
+from moh_lightning.runs import (
+    check_resumable,
+    latest_loadable_checkpoint,
+    logger_runs,
+    logs_in_folders,
+    next_version,
+    record_changes,
+    run_root,
+    use_run_folder,
+)
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 from moh_lightning.tasks.base import MoHTask
 
@@ -182,7 +193,7 @@ class MoHLightningCLI(LightningCLI):
     The callbacks every run needs are always on, each configured under its own key: ``head_load``
     (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard``,
     ``run_summary``, ``throughput`` (``MoHThroughputMonitor``), ``predictions`` (``PredictionWriter``, what
-    ``moh predict`` writes) and ``shutdown`` (``RunShutdown``).
+    ``moh predict`` writes), ``shutdown`` (``RunShutdown``) and ``logger_runs``.
     ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
     run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
     or other workers continue, with one line saying what changed.
@@ -198,6 +209,7 @@ class MoHLightningCLI(LightningCLI):
                 LightningDataModule,
                 subclass_mode_model=True,
                 subclass_mode_data=True,
+                save_config_callback=SaveRunConfig,
                 save_config_kwargs={"overwrite": True},
                 parser_class=OneLineErrorParser,
                 trainer_defaults=TRAINER_DEFAULTS,
@@ -225,6 +237,7 @@ class MoHLightningCLI(LightningCLI):
         parser.add_lightning_class_args(MoHThroughputMonitor, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "predictions")
         parser.add_lightning_class_args(RunShutdown, "shutdown")
+        parser.add_lightning_class_args(LoggerRuns, "logger_runs")
         # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
         # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
         # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
@@ -247,6 +260,9 @@ class MoHLightningCLI(LightningCLI):
             self._resume_last(config, init_args)
         if self.subcommand in EVALUATIONS and init_args is not None:
             self._beside_its_run(config, init_args)
+        if init_args is not None and not logs_in_folders(logger) and config.trainer.get("default_root_dir") is None:
+            folder = next_version(run_root(logger, self.run_name or "default"))  # a new run of such a logger
+            use_run_folder(config, folder, f"{folder.parent.name}/{folder.name}")
         _tokenizer_of_init_from(config)
         accelerator = config.trainer.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -257,8 +273,7 @@ class MoHLightningCLI(LightningCLI):
         """Evaluating a run's checkpoint logs into ``<run>/eval/<subcommand>-<checkpoint>/`` (``-2``, ``-3`` when
         repeated), beside the run it scores, instead of a new version of the training run's name."""
         ckpt_path = config.get("ckpt_path")
-        logs_in_folders = all(key in logger_args for key in ("save_dir", "name", "version"))
-        if not ckpt_path or not Path(ckpt_path).is_file() or not logs_in_folders:
+        if not ckpt_path or not Path(ckpt_path).is_file():
             return
         checkpoints = Path(ckpt_path).resolve().parent
         if checkpoints.name != "checkpoints":
@@ -268,7 +283,11 @@ class MoHLightningCLI(LightningCLI):
         while (run / "eval" / version).exists():
             repeat += 1
             version = f"{base}-{repeat}"
-        logger_args.save_dir, logger_args.name, logger_args.version = str(run), "eval", version
+        if logs_in_folders(config.trainer.logger):
+            logger_args.save_dir, logger_args.name, logger_args.version = str(run), "eval", version
+        else:  # MLflow nests this run under the checkpoint's own
+            use_run_folder(config, run / "eval" / version, f"{run.parent.name}/{run.name}/eval/{version}",
+                           logger_runs(Path(ckpt_path)))
         # The run's checkpoint callbacks keep the training folder they saved in; nothing is saved while evaluating.
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
@@ -283,17 +302,22 @@ class MoHLightningCLI(LightningCLI):
                              f"scores its validation split.")
 
     def _resume_last(self, config, logger_args) -> None:
-        """Points ``ckpt_path`` and the logger's version at this run name's newest checkpoint that loads, if any."""
-        found = latest_loadable_checkpoint(Path(logger_args.save_dir) / logger_args.name)
+        """Points ``ckpt_path`` at this run name's newest checkpoint that loads, if any, and the logger at that run
+        (TensorBoard's and CSV's version folder; the MLflow or W&B run kept in the checkpoint, in its folder)."""
+        found = latest_loadable_checkpoint(run_root(config.trainer.logger, self.run_name or "default"))
         if found is None:
             config.ckpt_path = None  # the first start of a run that will be resumed later: start fresh
             return
         version_dir, checkpoint = found
+        if logs_in_folders(config.trainer.logger):
+            logger_args.version = int(version_dir.name.removeprefix("version_"))
+        else:  # the same MLflow or W&B run, kept in the checkpoint, in the same folder
+            use_run_folder(config, version_dir, f"{version_dir.parent.name}/{version_dir.name}",
+                           logger_runs(checkpoint), continues=True)
         current = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False))
         changes = check_resumable(version_dir, current)
         if changes:
             record_changes(version_dir, checkpoint, changes)
-        logger_args.version = int(version_dir.name.removeprefix("version_"))
         config.ckpt_path = str(checkpoint)
 
     def before_predict(self) -> None:
@@ -311,6 +335,7 @@ class MoHLightningCLI(LightningCLI):
         configured = config.trainer.get("callbacks") or []
         configured = list(configured) if isinstance(configured, list) else [configured]
         trainer = super().instantiate_trainer(**kwargs)
+        keep_csv_rows(trainer.loggers)  # before Lightning's CSV writer deletes a continued run's rows
         for i, callback in enumerate(trainer.callbacks):
             if type(callback) is RichProgressBar and not any(callback is given for given in configured):
                 trainer.callbacks[i] = MoHRichProgressBar()

@@ -7,9 +7,14 @@ token, step and epoch budgets, loader workers, compilation, logging, precision) 
 continues for longer; each such change is said in one line and kept in the run folder's ``resumes.log``. A
 checkpoint that does not load (a truncated copy, a disk fault) is moved aside and the next newest is used
 (``latest_loadable_checkpoint``).
+
+A logger without folders of its own (MLflow, Weights & Biases) gets a run folder of the same shape, ``runs/<name>/
+version_N/``, named by its run-name option (``run_name``, W&B's ``name``) or the config; ``--ckpt_path last`` logs
+into the logger run kept in the checkpoint (``use_run_folder``, ``callbacks.logger_runs``).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -17,10 +22,14 @@ import time
 import warnings
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from moh_lightning.callbacks.logger_runs import CHECKPOINT_KEY, FOLDER_LOGGERS
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
 # The saved settings that must match for a run to continue from a checkpoint: what the weights and the data are...
@@ -47,6 +56,7 @@ CONTINUABLE_KEYS = {
     "model.init_args.top_p": "",
 }
 CHANGES_LOG = "resumes.log"  # in the version folder: one line per resume that changed a setting
+RUNS = Path("runs")  # where the run folders of loggers without folders of their own go
 
 
 def versions(run_root: Path) -> list[Path]:
@@ -214,5 +224,75 @@ def record_changes(version_dir: Path, checkpoint: Path, changes: str) -> None:
         log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
 
+def _class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def logs_in_folders(logger) -> bool:
+    """Whether a logger's config (``class_path``, ``init_args``) names a logger whose version folder is the run's."""
+    return issubclass(_class(logger.class_path), FOLDER_LOGGERS)
+
+
+def run_root(logger, default_name: str) -> Path:
+    """The folder of one run name's ``version_N`` folders: ``<save_dir>/<name>`` for TensorBoard and CSV, else
+    ``runs/<name>`` with the logger's own run-name option (MLflow's ``run_name``, W&B's ``name``) or the config's."""
+    args = logger.init_args
+    if logs_in_folders(logger):
+        return Path(args.save_dir) / args.name
+    given = args.get("run_name") if issubclass(_class(logger.class_path), MLFlowLogger) else args.get("name")
+    return RUNS / (given or default_name)
+
+
+def next_version(run_root: Path) -> Path:
+    """The ``version_N`` folder a new run of this name gets, as TensorBoard numbers them."""
+    found = versions(run_root)
+    return run_root / f"version_{int(found[-1].name.removeprefix('version_')) + 1 if found else 0}"
+
+
+def logger_runs(checkpoint: Path) -> list[dict[str, Any]]:
+    """The logger runs kept in a checkpoint (``callbacks.logger_runs.LoggerRuns``); none in a sharded one."""
+    return [] if checkpoint.is_dir() else load_file(checkpoint, mmap=True).get(CHECKPOINT_KEY) or []
+
+
+def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] = (), continues: bool = False) -> None:
+    """Points the run of a logger without folders of its own (MLflow, W&B) at ``folder`` and names it ``title``.
+
+    The config, checkpoints and head-load files go to ``folder`` (the trainer's ``default_root_dir``, and the
+    checkpoint callbacks' ``dirpath`` where none is given). Of the logger runs ``kept`` with the checkpoint being
+    loaded, the one of this logger's kind and store is continued when ``continues`` (``--ckpt_path last``), and is
+    the parent of an evaluation's run otherwise. An MLflow logger without a ``tracking_uri`` uses MLflow's own
+    default (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``): Lightning's, a ``file:`` store, is refused by
+    MLflow 3.
+    """
+    config.trainer.default_root_dir = str(folder)
+    checkpoints = str(folder / "checkpoints")
+    if config.get("checkpoint") is not None and config.checkpoint.get("dirpath") is None:
+        config.checkpoint.dirpath = checkpoints
+    callbacks = config.trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if issubclass(_class(callback.class_path), ModelCheckpoint) and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = checkpoints
+    kind, args = _class(config.trainer.logger.class_path), config.trainer.logger.init_args
+    if issubclass(kind, MLFlowLogger):
+        import mlflow
+
+        args.tracking_uri = args.tracking_uri or mlflow.get_tracking_uri()
+        args.run_name = title
+        run = next((run for run in kept if run["logger"] == kind.__name__
+                    and run.get("tracking_uri") == args.tracking_uri), None)
+        if run is not None and continues:
+            args.run_id = run["run_id"]
+        elif run is not None:
+            args.tags = {**(args.tags or {}), "mlflow.parentRunId": run["run_id"]}  # MLflow nests it under the run
+    elif issubclass(kind, WandbLogger):
+        args.save_dir = str(folder)  # W&B's own files of this run (offline parts, head_load/) in its folder too
+        args.name = title
+        run = next((run for run in kept if run["logger"] == kind.__name__), None)
+        if run is not None and continues:
+            args.id = run["run_id"]
+
+
 __all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "checkpoint_problem",
-           "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "record_changes", "versions"]
+           "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs", "logs_in_folders",
+           "next_version", "record_changes", "run_root", "use_run_folder", "versions"]

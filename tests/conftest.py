@@ -37,6 +37,17 @@ def run_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def mlflow_uri_unset():
+    """MLflow's tracking URI as a fresh process has it: an MLFlowLogger sets it for its whole process (and that
+    process's environment), where the next test's logger would take it as the default."""
+    import mlflow
+
+    mlflow.set_tracking_uri(None)
+    yield
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
 def write_image_folder():
     """Writes random PNGs in ImageNet's layout (root/{train,val}/{cat,dog}/i.png)."""
     def write(root, per_class: int = 4, size: tuple[int, int] = (40, 48)) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.loggers.logger import DummyLogger
 
 from moh_lightning.callbacks.head_load import HeadLoadCallback
+from moh_lightning.callbacks.logger_runs import describe, run_folder
 from moh_lightning.callbacks.reliability import StepCheckpoint
 from moh_lightning.layers import activated_head_fraction, moh_layers
 
@@ -19,8 +19,8 @@ class RunSummary(Callback):
 
     The run folder; the monitored metric's best and final value and the checkpoint holding the best (the first
     ``ModelCheckpoint`` with a metric to monitor; else the final ``val/loss`` and ``last.ckpt``); the head budget
-    the model used (share of heads active per token, routed heads that collapsed); and the ``tensorboard`` command
-    that opens the run beside the others of its save folder, to compare them.
+    the model used (share of heads active per token, routed heads that collapsed); and each logger's run with where
+    to open it (the ``tensorboard`` command, the MLflow run's page, the W&B run or how to upload an offline one).
 
     A fresh run that fails before its first step (a missing folder, a bad value found in ``setup``, Ctrl-C) has
     written only what every run writes at its start: its events file, ``config.yaml`` and ``hparams.yaml``. Those are
@@ -33,9 +33,9 @@ class RunSummary(Callback):
         self._lines: list[str] = []
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        log_dir = trainer.log_dir  # a broadcast from rank 0 under DDP / FSDP: every rank must ask
+        folder = run_folder(trainer)  # a broadcast from rank 0 under DDP / FSDP: every rank must ask
         if trainer.is_global_zero and not trainer.fast_dev_run:
-            self._lines = summary_lines(trainer, pl_module, log_dir)
+            self._lines = summary_lines(trainer, pl_module, folder)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if trainer.state.fn != "fit" or trainer.global_step > 0 or trainer.ckpt_path or not trainer.is_global_zero:
@@ -67,14 +67,13 @@ class RunSummary(Callback):
             self._lines = []
 
 
-def summary_lines(trainer: Trainer, pl_module: LightningModule, log_dir: str | None) -> list[str]:
-    """The summary's lines (see ``RunSummary``); ``log_dir`` is ``trainer.log_dir``."""
+def summary_lines(trainer: Trainer, pl_module: LightningModule, folder: Path | None) -> list[str]:
+    """The summary's lines (see ``RunSummary``); ``folder`` is the run folder (``logger_runs.run_folder``)."""
     # current_epoch counts the epochs begun once fit ends (a stop mid-epoch counts that epoch); the progress bar and
     # the checkpoint names number them from 0.
     lines = [f"moh fit finished at step {trainer.global_step} (epoch {max(trainer.current_epoch - 1, 0)})."]
-    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
-    if loggers and log_dir:
-        lines.append(f"  run folder:  {log_dir}")
+    if folder is not None:
+        lines.append(f"  run folder:  {folder}")
     lines.append(f"  {_metric_line(trainer)}")
     model = getattr(pl_module, "model", None) or pl_module
     routed = moh_layers(model)
@@ -86,9 +85,8 @@ def summary_lines(trainer: Trainer, pl_module: LightningModule, log_dir: str | N
     else:
         budget += " (dense: no routed layer)"
     lines.append(f"  head budget: {budget}")
-    board = next((logger for logger in loggers if isinstance(logger, TensorBoardLogger)), None)
-    if board is not None:
-        lines.append(f"  dashboards:  tensorboard --logdir {Path(board.save_dir)}")
+    if folder is not None:
+        lines += [f"  {line}" for logger in trainer.loggers for line in describe(logger)]
     return lines
 
 

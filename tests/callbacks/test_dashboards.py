@@ -1,5 +1,6 @@
-"""Head-load dashboards: what reaches TensorBoard, Weights & Biases (offline), MLflow (local file store) and the run
-folder, and the paper figures of ``moh head-figures``. A real TensorBoard server: test_dashboards_tensorboard.py."""
+"""Head-load dashboards: what reaches TensorBoard, Weights & Biases (offline), MLflow (sqlite store) and the run
+folder, and the paper figures of ``moh head-figures``. A real TensorBoard server: test_dashboards_tensorboard.py; each
+logger through a stopped and continued ``moh fit``: test_logger_runs.py."""
 import csv
 import json
 import time
@@ -209,13 +210,13 @@ def test_wandb_offline_run_gets_heatmaps_tables_summary_metrics_and_config(tmp_p
 
 
 @pytest.mark.slow
-def test_mlflow_file_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch):
+def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch, mlflow_uri_unset):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind this switch
-    uri = (tmp_path / "mlruns").as_uri()
-    logger = MLFlowLogger(experiment_name="moh-dashboards", tracking_uri=uri, save_dir=str(tmp_path / "mlruns"))
+    monkeypatch.chdir(tmp_path)  # the store's artifacts go to ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the store MLflow 3 recommends (its file store is refused)
+    logger = MLFlowLogger(experiment_name="moh-dashboards", tracking_uri=uri)
     _fit(TinyTask(timesteps=True), logger, tmp_path)
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(logger.run_id)

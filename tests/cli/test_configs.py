@@ -81,9 +81,10 @@ def _task_hparams(task: dict) -> dict:
 
 
 # Callbacks added to every run since the snapshot; they write, print or end a stopped run, and change no training.
-ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor", "PredictionWriter", "RunShutdown"}
-# Lightning's Rich progress bar became the suite's, which labels unlimited epochs ("Epoch 0", not "Epoch 0/-2").
-RENAMED_CALLBACKS = {"MoHRichProgressBar": "RichProgressBar"}
+ADDED_CALLBACKS = {"RunSummary", "MoHThroughputMonitor", "PredictionWriter", "RunShutdown", "LoggerRuns"}
+# Lightning's Rich progress bar became the suite's, which labels unlimited epochs ("Epoch 0", not "Epoch 0/-2"), and
+# its config writer the suite's, which writes into the run folder whatever the logger.
+RENAMED_CALLBACKS = {"MoHRichProgressBar": "RichProgressBar", "SaveRunConfig": "SaveConfigCallback"}
 
 
 def _callbacks(callbacks: list) -> list:

@@ -188,20 +188,6 @@ def test_auto_chooses_from_shapes(threads):
     assert not use_head_sparse("masked", 4096, 4096, 0.5, decoding=False)
 
 
-@pytest.mark.slow
-def test_bench_quick_writes_report(tmp_path):
-    from moh_lightning.tools.bench import bench
-
-    threads = torch.get_num_threads()
-    try:
-        report = bench(quick=True, output=str(tmp_path / "bench.md"), threads=1)
-    finally:
-        torch.set_num_threads(threads)
-    text = report.read_text()
-    assert "| bidirectional" in text and "## KV-cache decoding" in text and "## Targets" in text
-    assert (tmp_path / "bench.png").is_file()
-
-
 @pytest.mark.parametrize("length, num_keys", [(300, 300), (200, 260)])
 def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_keys):
     """The CPU causal path over several blocks: the keys before each block's first position in one unmasked call,

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers.logger import DummyLogger
 
 from moh_lightning.callbacks.head_load.counting import HeadLoadCounter
 from moh_lightning.callbacks.head_load.loads import SUMMARY_FILE, mean_load_entropy
 from moh_lightning.callbacks.head_load.loggers import adapter
 from moh_lightning.callbacks.head_load.render import figure_rgb, group_card, layer_card, loads_over_time, save_png
 from moh_lightning.callbacks.head_load.summary import hparam_metrics, run_hparams, summary_markdown
+from moh_lightning.callbacks.logger_runs import logged_earlier, record_logged, run_folder
 from moh_lightning.tasks.base import MoHTask
 
 
@@ -63,6 +63,7 @@ class HeadLoadCallback(Callback):
         self.counter = HeadLoadCounter(low_load, collapse_windows, timestep_buckets)
         self._windows = 0
         self._hparams: dict[str, Any] = {}
+        self._run = ""
 
     @property
     def collapsed_heads(self) -> list[tuple[int, int]]:
@@ -71,6 +72,7 @@ class HeadLoadCallback(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._window = self.log_every_n_steps or trainer.log_every_n_steps
+        self._run = _run_name(trainer)  # here, where every rank asks (the run folder is broadcast)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.counter.find_layers(pl_module)
@@ -88,7 +90,7 @@ class HeadLoadCallback(Callback):
         if not self.counter.count_train_batch() or self.counter.window_batches < self._window:
             return
         snapshot, metrics = self.counter.close_window(trainer.strategy.reduce, trainer.global_step,
-                                                      trainer.current_epoch, _run_name(trainer),
+                                                      trainer.current_epoch, self._run,
                                                       warn=trainer.is_global_zero)
         self._windows += 1
         if not trainer.is_global_zero:
@@ -114,7 +116,7 @@ class HeadLoadCallback(Callback):
         if trainer.sanity_checking:
             return
         snapshot = self.counter.close_validation(
-            trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, _run_name(trainer),
+            trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, self._run,
             lambda kind, count: _group_labels(trainer, pl_module, kind, count))
         if snapshot is None:
             return
@@ -146,7 +148,7 @@ class HeadLoadCallback(Callback):
         if snapshot is None:
             why = ("no logging window completed" if self.counter.routed_layers()
                    else "a dense model: no layer has routed heads")
-            text = f"# Head load at the end of {_run_name(trainer) or 'the run'}\n\nNo routed head measured ({why}).\n"
+            text = f"# Head load at the end of {self._run or 'the run'}\n\nNo routed head measured ({why}).\n"
         else:
             text = summary_markdown(snapshot, self.counter.collapse_events, self._hparams, metrics, self.low_load)
         folder.mkdir(parents=True, exist_ok=True)
@@ -163,17 +165,19 @@ class HeadLoadCallback(Callback):
         if path is not None:
             save_png(rgb, path)
         for logger in trainer.loggers:
-            adapter(logger).image(tag, rgb, trainer.global_step)
+            if not logged_earlier(logger, tag, trainer.global_step):  # a resumed run repeats the steps after its
+                adapter(logger).image(tag, rgb, trainer.global_step)  # checkpoint: no second image of one step
+                record_logged(logger, tag, trainer.global_step)
 
 
 def _head_load_folder(trainer: Trainer) -> Path | None:
     """``head_load/`` in the run's own folder (the first logger's adapter says where), on rank 0; None on the other
     ranks and for a run without a run folder (no logger, or ``fast_dev_run``), which writes nothing. Call it on every
-    rank: ``trainer.log_dir`` broadcasts from rank 0 under DDP / FSDP, and rank 0 would wait forever."""
-    log_dir = trainer.log_dir
-    if log_dir is None or all(isinstance(logger, DummyLogger) for logger in trainer.loggers):
-        return None  # without a logger Lightning's log_dir is the working folder, which is not the run's
-    return adapter(trainer.logger).folder(Path(log_dir)) if trainer.is_global_zero else None
+    rank: the run folder is broadcast from rank 0 under DDP / FSDP, and rank 0 would wait forever."""
+    folder = run_folder(trainer)
+    if folder is None:
+        return None
+    return adapter(trainer.logger).folder(folder) if trainer.is_global_zero else None
 
 
 def _scalar(value) -> float | None:
@@ -186,11 +190,9 @@ def _scalar(value) -> float | None:
 
 
 def _run_name(trainer: Trainer) -> str:
-    logger = trainer.logger
-    if logger is None:
-        return ""
-    name, version = logger.name or "", logger.version
-    return f"{name}/version_{version}" if isinstance(version, int) else f"{name}/{version}" if version else name
+    """The run as its folder names it, ``<name>/version_N``, whatever the logger ("" without a run folder)."""
+    folder = run_folder(trainer)
+    return "" if folder is None else f"{folder.parent.name}/{folder.name}"
 
 
 def _num_timesteps(pl_module: LightningModule) -> int:

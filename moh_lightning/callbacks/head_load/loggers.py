@@ -8,7 +8,6 @@ config; MLflow step images, figures, text, artifacts and params; any other logge
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,6 @@ from matplotlib.figure import Figure
 from moh_lightning.callbacks.head_load.counting import layer_name
 from moh_lightning.callbacks.head_load.loads import HeadLoadSnapshot
 
-log = logging.getLogger(__name__)
-
 History = list[tuple[int, dict[int, list[float]]]]  # (step, layer -> routed loads) per logging window
 
 
@@ -30,9 +27,9 @@ class LoggerAdapter:
     def __init__(self, logger: Logger) -> None:
         self.logger = logger
 
-    def folder(self, log_dir: Path) -> Path:
+    def folder(self, run_folder: Path) -> Path:
         """Where the run's ``head_load/`` files go, when this is the run's first logger."""
-        return log_dir / "head_load"
+        return run_folder / "head_load"
 
     def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
         """The run's head budget (``hparams``, shown beside ``hparam_metrics``) and its ``routed`` layer numbers."""
@@ -86,7 +83,7 @@ class TensorBoardAdapter(LoggerAdapter):
 class WandbAdapter(LoggerAdapter):
     logger: WandbLogger
 
-    def folder(self, log_dir: Path) -> Path:
+    def folder(self, run_folder: Path) -> Path:
         return Path(self.logger.experiment.dir) / "head_load"  # the run's files, which W&B uploads with it
 
     def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
@@ -125,17 +122,11 @@ class WandbAdapter(LoggerAdapter):
 class MLflowAdapter(LoggerAdapter):
     logger: MLFlowLogger
 
-    def folder(self, log_dir: Path) -> Path:
-        return log_dir / "head_load" / str(self.logger.run_id)  # MLflow runs share a save_dir: one folder per run
-
     def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
         from mlflow.entities import Param
 
-        params = [Param(key, str(value)) for key, value in hparams.items()]
-        try:
-            self.logger.experiment.log_batch(self.logger.run_id, params=params)
-        except Exception as error:  # a resumed MLflow run that logged other values refuses to overwrite
-            log.warning("MLflow kept the run's earlier head-budget params: %s", error)
+        self.logger.experiment.log_batch(self.logger.run_id, params=[Param(key, str(value))
+                                                                     for key, value in hparams.items()])
 
     def image(self, tag: str, rgb: np.ndarray, step: int) -> None:
         self.logger.experiment.log_image(self.logger.run_id, rgb, key=tag.replace("/", "."), step=step)

@@ -25,8 +25,8 @@ from moh_lightning.tools.bench.models import (
     model_section,
 )
 from moh_lightning.tools.bench.op_count import op_count_section
-from moh_lightning.tools.bench.report import Report, header
-from moh_lightning.tools.bench.shapes import FRACTIONS
+from moh_lightning.tools.bench.report import Report, header, shared_machine
+from moh_lightning.tools.bench.shapes import BATCH, FRACTIONS
 from moh_lightning.tools.bench.steps import bench_steps
 from moh_lightning.tools.bench.timing import Clock
 
@@ -34,15 +34,25 @@ DEFAULTS = {"quick": False, "repeats": 5, "warmup": 2, "models": True, "compiled
             "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False}
 
 
+def default_output(name: str) -> Path:
+    """``bench/<date>_<time>/<name>``: each run's pages in a folder of its own, never over the shipped ``results/``."""
+    return Path("bench") / time.strftime("%Y-%m-%d_%H%M%S") / name
+
+
 def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
           models: bool = True, compiled: bool = True, threads: int | None = None, device: str = "cpu",
           clock: str = "wall", compile_backend: str = "inductor", steps: bool = False) -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
+    Prints each section as it starts and ends, rewrites the page after each (a stopped bench leaves what it
+    measured), and ends the page and the terminal with a verdict: where MoH was faster on this machine, by how much.
+
     Args:
-        quick: A small subset (N = 128, 50% heads, a 256-token cache, the MNIST ViT's step only) for smoke tests.
-        output: Markdown report; the plot goes beside it as ``<stem>.png``. By default
-            ``results/bench_attention.md``, on CUDA ``results/bench_attention_cuda.md``.
+        quick: A subset in about a minute: N = 128 and 1,024 (where the CPU's head-sparse path is expected to win),
+            50% heads, caches of 256 and 4,096 tokens, the MNIST ViT's step.
+        output: Markdown report; the plot goes beside it as ``<stem>.png``. By default a folder of this run's own,
+            ``bench/<date>_<time>/bench_attention.md`` (``bench_attention_cuda.md`` on CUDA); the shipped pages in
+            ``results/`` are rewritten only when named here.
         repeats: Timed runs per measurement (the median is reported).
         warmup: Untimed rounds before them (each timed run also makes the two untimed calls of
             ``torch.utils.benchmark``'s ``Timer.timeit`` just before it).
@@ -51,7 +61,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         compiled: Include the compiled-vs-eager table of the three CPU defaults (minutes of compilation).
         threads: torch's intra-op threads; its default (one per core) when None.
         device: ``cpu``, or ``cuda`` for the GPU report (``bench.cuda``: bf16, the CUDA head-sparse kernels against
-            SDPA over all and over half of the heads; ``quick`` is the only other option it reads).
+            SDPA over all and over half of the heads; ``quick`` and ``output`` are the only other options it reads).
         clock: ``wall`` (elapsed time) or ``cpu`` (the process's CPU time: steadier on a shared machine; ratios
             between variants compare the work done, not the waiting).
         compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
@@ -65,41 +75,70 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         return bench_steps(device, output or "results/gpu/steps.json", compiled=compiled and run_on.type == "cuda",
                            repeats=repeats, warmup=warmup)
     if run_on.type == "cuda":
-        return bench_cuda(output or "results/bench_attention_cuda.md", quick=quick, device=device)
-    output = output or "results/bench_attention.md"
+        path = Path(output) if output else default_output("bench_attention_cuda.md")
+        print(f"moh bench: writing {path} (rewritten after each table)", flush=True)
+        bench_cuda(str(path), quick=quick, device=device)
+        print(f"moh bench: wrote {path}", flush=True)
+        return path
+    path = Path(output) if output else default_output("bench_attention.md")
     if clock == "cpu" and run_on.type != "cpu":
         raise SystemExit("moh bench: --clock cpu times CPU work; on a GPU use the wall clock.")
     torch.manual_seed(0)
     if threads is not None:
         torch.set_num_threads(threads)
-    if quick:
-        repeats, warmup = 2, 1
+    if quick:  # each timed run's two untimed calls warm it up
+        repeats, warmup = 2, 0
     timer = Clock(run_on, clock == "cpu")
-    lengths = (128,) if quick else (256, 1024, 4096)
+    # Quick: one sequence a batch (a quarter of the work), a short length and 1,024 tokens, where the CPU's
+    # head-sparse path is expected to win, and the same for the cache; neither the dense-and-mask reference of the
+    # core table nor the fresh-process memory measurements.
+    batch = 1 if quick else BATCH
+    lengths = (128, 1024) if quick else (256, 1024, 4096)
     fractions = {"50%": 2} if quick else FRACTIONS
-    caches = (256,) if quick else (1024, 2048, 4096, 8192)
+    caches = (256, 4096) if quick else (1024, 2048, 4096, 8192)
     report = Report()
-    load_before = os.getloadavg()
-    started = time.time()
-    op_count_section(report)
-    core_section(report, timer, lengths, fractions, repeats, warmup)
-    layer_section(report, timer, lengths[:1] if quick else (256, 1024), fractions, repeats, warmup)
-    memory_section(report, lengths[-1], quick)
-    decode_section(report, timer, caches, fractions, repeats, warmup)
+    sections = {
+        "operation counts": lambda: op_count_section(report),
+        "attention core": lambda: core_section(report, timer, lengths, fractions, repeats, warmup, batch,
+                                               masked_column=not quick),
+        "whole attention layer": lambda: layer_section(report, timer, lengths[-1:] if quick else (256, 1024),
+                                                       fractions, repeats, warmup, batch),
+    }
+    if not quick:
+        sections["peak memory"] = lambda: memory_section(report, lengths[-1])
+    sections["KV-cache decoding"] = lambda: decode_section(report, timer, caches, fractions, repeats, warmup, batch)
     if models or quick:
-        model_section(report, timer, MODELS[:1] if quick else MODELS, repeats, warmup, quick)
+        sections["whole models' training steps"] = lambda: model_section(report, timer, MODELS[:1] if quick
+                                                                         else MODELS, repeats, warmup, quick)
     if models and not quick:
-        checkpointing_section(report, timer, repeats, warmup)
-        decode_model_section(report, timer, repeats, warmup)
+        sections["activation checkpointing"] = lambda: checkpointing_section(report, timer, repeats, warmup)
+        sections["LLM-S decoding"] = lambda: decode_model_section(report, timer, repeats, warmup)
     if compiled and not quick:
-        compiled_section(report, timer, repeats, warmup, compile_backend)
-    load_after = os.getloadavg()
+        sections["compiled vs eager"] = lambda: compiled_section(report, timer, repeats, warmup, compile_backend)
     options = {"quick": quick, "repeats": repeats, "warmup": warmup, "models": models, "compiled": compiled,
                "threads": threads, "device": device, "clock": clock, "compile_backend": compile_backend}
     command = " ".join(["moh bench"] + [f"--{k} {str(v).lower() if isinstance(v, bool) else v}"
                                         for k, v in options.items() if v != DEFAULTS[k] and k != "quick"])
     command = "moh bench --quick true" if quick else command
-    path = Path(output)
-    report.write(path, header(load_before, load_after, time.time() - started, command, repeats, warmup,
-                              timer.cpu_time))
+    load_before, started = os.getloadavg(), time.time()
+    print(f"moh bench: {len(sections)} sections, each written to {path} as it finishes", flush=True)
+    # One thread's CPU time is what a busy machine cannot disturb; anything else it can.
+    disturbed = not (timer.cpu_time and torch.get_num_threads() == 1)
+    busy = shared_machine(load_before, load_before)
+    if busy and disturbed:
+        print(f"moh bench: {busy}; its timings will be noisy, and `--threads 1 --clock "
+              f"cpu` measures one thread's work instead.", flush=True)
+    for done, (name, measure) in enumerate(sections.items(), 1):
+        print(f"moh bench: [{done}/{len(sections)}] {name} ...", flush=True)
+        section_started = time.time()
+        measure()
+        load_after = os.getloadavg()
+        report.shared_machine = shared_machine(load_before, load_after) if disturbed else ""
+        page_header = header(load_before, load_after, time.time() - started, command, repeats, warmup,
+                             timer.cpu_time)
+        report.write(path, page_header, still_to_measure=list(sections)[done:])
+        print(f"moh bench: [{done}/{len(sections)}] {name}: {time.time() - section_started:.0f} s", flush=True)
+    print("\n".join(report.verdict()), flush=True)
+    print(f"moh bench: wrote {path} and {path.with_suffix('.png')} in {(time.time() - started) / 60:.1f} min",
+          flush=True)
     return path

@@ -2,6 +2,8 @@
 Apart because decoding reads the cache where training computes, and ``auto`` decides it by its own rule."""
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -10,22 +12,22 @@ from moh_lightning.layers.head_sparse_attention import decode_batched, head_spar
 from moh_lightning.tools.bench.layer import execution_cells, execution_layers
 from moh_lightning.tools.bench.report import Report
 from moh_lightning.tools.bench.shapes import BATCH, HEAD_DIM, HEADS, SHARED, gates
-from moh_lightning.tools.bench.timing import Clock, median_ms
+from moh_lightning.tools.bench.timing import Clock, paired_ratio, times_ms
 
 
-def _core_fns(length: int, fractions: dict[str, int], device: torch.device) -> dict:
+def _core_fns(length: int, fractions: dict[str, int], device: torch.device, batch: int = BATCH) -> dict:
     """One decoding step's attention under each variant: MHA, every head through the sparse decoding, each
     fraction, and the first fraction on the batched path of devices other than the CPU."""
-    q = torch.randn(BATCH, HEADS, 1, HEAD_DIM, device=device)
-    routed = {"MHA": None, "all heads": torch.ones(BATCH, 1, HEADS, device=device)}
-    routed.update({name: gates(1, top_k, device, seed=length) for name, top_k in fractions.items()})
+    q = torch.randn(batch, HEADS, 1, HEAD_DIM, device=device)
+    routed = {"MHA": None, "all heads": torch.ones(batch, 1, HEADS, device=device)}
+    routed.update({name: gates(1, top_k, device, batch, seed=length) for name, top_k in fractions.items()})
     first = next(iter(fractions))
     routed[f"{first} batched"] = routed[first]
     fns = {}
     for name, g in routed.items():
         # Each variant reads its own cache, as a decoder's layers do: one variant's reads must not leave
         # the next one's cache rows in the CPU's last-level cache.
-        k, v = (torch.randn(BATCH, HEADS, length + 1, HEAD_DIM, device=device)[:, :, :length] for _ in range(2))
+        k, v = (torch.randn(batch, HEADS, length + 1, HEAD_DIM, device=device)[:, :, :length] for _ in range(2))
         if g is None:
             fns[name] = lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v)
         elif name.endswith("batched"):
@@ -40,19 +42,20 @@ def _core_fns(length: int, fractions: dict[str, int], device: torch.device) -> d
     return fns
 
 
-def decode_section(report: Report, clock: Clock, caches, fractions, repeats, warmup) -> None:
+def decode_section(report: Report, clock: Clock, caches, fractions, repeats, warmup, batch: int = BATCH) -> None:
     device = clock.device
-    report.section("decode")
+    report.section("decode", batch=batch)
     rows, worst = [], (0.0, "")
     steps = repeats * 10  # a decoding step is short: time more of them
     for length in caches:
         with torch.no_grad():
-            core = median_ms(_core_fns(length, fractions, device), steps, warmup, clock)
-        x = torch.randn(BATCH, 1, HEADS * HEAD_DIM, device=device)
+            core_times = times_ms(_core_fns(length, fractions, device, batch), steps, warmup, clock)
+        core = {name: statistics.median(t) for name, t in core_times.items()}
+        x = torch.randn(batch, 1, HEADS * HEAD_DIM, device=device)
         layers = execution_layers(True, fractions, device)
         layer_fns = {}
         for name, layer in layers.items():
-            cache = KVCache(BATCH, HEADS, length + 1, HEAD_DIM, device=device)
+            cache = KVCache(batch, HEADS, length + 1, HEAD_DIM, device=device)
             cache.k.normal_(), cache.v.normal_()
             layer.eval()
 
@@ -61,20 +64,25 @@ def decode_section(report: Report, clock: Clock, caches, fractions, repeats, war
                 layer(x, kv_cache=cache)
             layer_fns[name] = step
         with torch.no_grad():
-            whole = median_ms(layer_fns, steps, warmup, clock)
+            whole_times = times_ms(layer_fns, steps, warmup, clock)
+        whole = {name: statistics.median(t) for name, t in whole_times.items()}
         for name in core:
             label = {"MHA": "MHA", "all heads": "MHA, sparse decoding of every head"}.get(name, f"MoH {name}")
             layer_cells = ["—"] * 4
             if name == "MHA":
-                layer_cells = [f"{whole['MHA']:.3f}", "—", "—", f"{BATCH / whole['MHA'] * 1e3:.0f}"]
+                layer_cells = [f"{whole['MHA']:.3f}", "—", "—", f"{batch / whole['MHA'] * 1e3:.0f}"]
             elif name in fractions:
                 ratio, layer_cells = execution_cells(whole, name, layers[f"{name} auto"], 1, length, True, 3)
                 worst = max(worst, (ratio, f"cache {length}, MoH {name}"))
-                layer_cells.append(f"{BATCH / whole[f'{name} auto'] * 1e3:.0f}")
+                layer_cells.append(f"{batch / whole[f'{name} auto'] * 1e3:.0f}")
             rows.append([length, label, f"{core[name]:.3f} ({core['MHA'] / core[name]:.2f}×)",
-                         f"{BATCH / core[name] * 1e3:.0f}", *layer_cells])
+                         f"{batch / core[name] * 1e3:.0f}", *layer_cells])
             if name in fractions:
                 report.decode.setdefault(name, []).append((length, core["MHA"] / core[name]))
+                report.finding("KV-cache decoding, attention core, with a cache of", f"{length} tokens", name, "",
+                               paired_ratio(core_times["MHA"], core_times[name]))
+                report.finding("KV-cache decoding, whole layer (auto), with a cache of", f"{length} tokens", name, "",
+                               paired_ratio(whole_times["MHA"], whole_times[f"{name} auto"]))
         if length == 4096 and "50%" in core:
             speedup = core["MHA"] / core["50%"]
             report.target("KV-cache decode core, cache 4096, MoH 50%", "≥ 1.50×", speedup, speedup >= 1.5)

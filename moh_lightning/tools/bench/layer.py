@@ -2,12 +2,14 @@
 per-execution layers and the scorer of ``auto``'s pick, which the decoding table reuses for a decoding token."""
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from moh_lightning.layers import MoHAttention
 from moh_lightning.tools.bench.report import Report
 from moh_lightning.tools.bench.shapes import BATCH, HEAD_DIM, HEADS, layer
-from moh_lightning.tools.bench.timing import Clock, median_ms
+from moh_lightning.tools.bench.timing import Clock, paired_ratio, times_ms
 
 
 def execution_layers(causal: bool, fractions: dict[str, int], device: torch.device) -> dict[str, MoHAttention]:
@@ -31,17 +33,21 @@ def execution_cells(ms: dict[str, float], name: str, auto: MoHAttention, num_que
     return ms[f"{name} {picked}"] / ms[f"{name} masked"], cells
 
 
-def layer_section(report: Report, clock: Clock, lengths, fractions, repeats, warmup) -> None:
-    report.section("layer")
+def layer_section(report: Report, clock: Clock, lengths, fractions, repeats, warmup, batch: int = BATCH) -> None:
+    report.section("layer", batch=batch)
     rows, worst = [], (0.0, "")
     for causal in (False, True):
         for length in lengths:
-            x = torch.randn(BATCH, length, HEADS * HEAD_DIM, device=clock.device, requires_grad=True)
+            x = torch.randn(batch, length, HEADS * HEAD_DIM, device=clock.device, requires_grad=True)
             layers = execution_layers(causal, fractions, clock.device)
             fns = {name: (lambda layer=layer, x=x: layer(x).sum().backward()) for name, layer in layers.items()}
-            ms = median_ms(fns, repeats, warmup, clock)
+            times = times_ms(fns, repeats, warmup, clock)
+            ms = {name: statistics.median(t) for name, t in times.items()}
             for name in fractions:
                 ratio, cells = execution_cells(ms, name, layers[f"{name} auto"], length, length, False, 1)
+                report.finding("whole attention layer (auto, fwd+bwd) at", f"N = {length}", name,
+                               "causal" if causal else "bidirectional",
+                               paired_ratio(times["MHA"], times[f"{name} auto"]))
                 label = f"{'causal' if causal else 'bidirectional'}, N = {length}, MoH {name}"
                 worst = max(worst, (ratio, label))
                 rows.append(["causal" if causal else "bidirectional", length, name, f"{ms['MHA']:.1f}", *cells])

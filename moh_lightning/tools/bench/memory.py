@@ -34,12 +34,11 @@ def peak_mib(*args: str) -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def memory_section(report: Report, length: int, quick: bool = False) -> None:
-    """Peak memory of the attention layers at ``length``; ``quick`` measures the causal one alone (each figure is a
-    fresh process, about 5 s of imports)."""
+def memory_section(report: Report, length: int) -> None:
+    """Peak memory of the attention layers at ``length`` (each figure is a fresh process, about 5 s of imports)."""
     report.section("memory", length=length)
     rows = []
-    for causal in (True,) if quick else (False, True):
+    for causal in (False, True):
         flags = ["--length", str(length)] + (["--causal"] if causal else [])
         mha = peak_mib(*flags, "--dense")
         materialised = peak_mib(*flags, "--dense", "--materialised") if length <= 4096 else float("nan")

@@ -67,8 +67,8 @@ SECTIONS = {
         "gated), at the first fraction, up to N = {long} (it costs what MHA costs). Above N = {long} a run takes "
         "seconds: one warm-up run.")),
     "layer": ("Whole attention layer: what `auto` picks", (
-        "qkv projection, router, attention core and output projection, forward + backward, batch 4. *auto* is the "
-        "layer's own choice of execution (the path it took in brackets); *sparse* and *dense-and-mask* are forced. "
+        "qkv projection, router, attention core and output projection, forward + backward, batch {batch}. *auto* is "
+        "the layer's own choice of execution (the path it took in brackets); *sparse* and *dense-and-mask* are forced. "
         "Target: auto never picks a path slower than dense-and-mask: the forced time of its pick / dense-and-mask's "
         "(1.00 when it picks dense-and-mask; within 5% for timing noise).")),
     "memory": ("Peak memory", (
@@ -108,15 +108,36 @@ SECTIONS = {
 
 
 @dataclass
+class Finding:
+    """One measurement of MoH against multi-head attention, for the verdict: ``speedup`` is MHA's time / MoH's (above 1
+    MoH is faster), the median over the paired rounds, with the rounds' quartiles ``low`` and ``high``."""
+
+    section: str   # what was timed, leading into ``size``: "attention core at", "training step of", ...
+    size: str      # "N = 1024", "a cache of 4096 tokens", a config's name
+    heads: str     # the share of heads MoH runs ("50%"), or "" where the size names it
+    variant: str   # which of the section's variants ("causal fwd+bwd"), or ""
+    speedup: float
+    low: float
+    high: float
+
+
+@dataclass
 class Report:
     lines: list[str] = field(default_factory=list)
     core: dict = field(default_factory=dict)     # (causal, backward, fraction) -> [(N, speedup)]
     decode: dict = field(default_factory=dict)   # fraction -> [(cache length, speedup)]
     targets: list[list[str]] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    shared_machine: str = ""  # how loaded the machine was, when other work shared it (the verdict says so first)
+
+    def finding(self, section: str, size: str, heads: str, variant: str, ratio: tuple[float, float, float]) -> None:
+        """Records MHA's time / MoH's (``timing.paired_ratio``'s median and quartiles) for the verdict."""
+        self.findings.append(Finding(section, size, heads, variant, *ratio))
 
     def section(self, key: str, **fields) -> None:
         title, intro = SECTIONS[key]
-        text = intro.format(heads=HEADS, head_dim=HEAD_DIM, batch=BATCH, shared=SHARED, long=LONG, **fields)
+        text = intro.format(**{"heads": HEADS, "head_dim": HEAD_DIM, "batch": BATCH, "shared": SHARED, "long": LONG,
+                               **fields})
         self.lines += [f"## {title}", "", text, ""]
 
     def target(self, name: str, wanted: str, measured: float, met: bool, note: str = "") -> None:
@@ -127,15 +148,55 @@ class Report:
         self.lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
         self.lines.append("")
 
-    def write(self, path: Path, header: list[str]) -> None:
-        """The page: ``header``, the targets and what bounds the missed ones, the sections; the plot beside it."""
+    def write(self, path: Path, header: list[str], still_to_measure: list[str] = ()) -> None:
+        """The page: ``header``, the targets and what bounds the missed ones, the sections, the verdict; the plot
+        beside it. A page written before the sections ``still_to_measure`` says so under its header."""
         summary = Report(lines=["## Targets", ""])
         if self.targets:
             summary.table(["target", "wanted", "measured", ""], self.targets)
         summary.lines += bounds_lines([name for name, _, _, status in self.targets if "missed" in status])
+        partial = [f"**Not measured yet:** {', '.join(still_to_measure)} (the bench is still running, or was stopped "
+                   f"before them).", ""] if still_to_measure else []
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(header + summary.lines + self.lines))
-        plot(self, path.with_suffix(".png"))
+        path.write_text("\n".join(header + partial + summary.lines + self.lines + self.verdict()) + "\n")
+        if self.core or self.decode:
+            plot(self, path.with_suffix(".png"))
+
+    def verdict(self) -> list[str]:
+        """Where MoH was faster than multi-head attention on this machine, by how much, and where it was not."""
+        lines = ["## Verdict", ""]
+        groups: dict[tuple[str, str, str], list[Finding]] = {}
+        for found in self.findings:
+            groups.setdefault((found.section, found.size, found.heads), []).append(found)
+        if self.shared_machine:
+            lines += [f"{self.shared_machine}: these timings are noisy. Rerun on a quiet machine, or with `--threads 1 "
+                      f"--clock cpu` (one thread's work, not the waiting for a core), before trusting them.", ""]
+        if not groups:
+            return lines + ["Nothing has been timed against multi-head attention yet.", ""]
+        faster, other, details = [], [], []
+        for (section, size, heads), found in groups.items():
+            where = f"{section} {size}" + (f" with {heads} of heads" if heads else "")
+            speedups = [f.speedup for f in found]
+            span = _span(min(speedups), max(speedups))
+            (faster if min(speedups) > 1 else other).append(f"{where} ({span})")
+            if min(speedups) > 1:
+                word = "faster"
+            elif max(speedups) < 1:
+                word = "slower"
+            else:
+                word = "faster only for " + ", ".join(f.variant for f in found if f.speedup > 1)
+            spread = _span(min(f.low for f in found), max(f.high for f in found))
+            variants = f" over {', '.join(f.variant for f in found)}" if len(found) > 1 else ""
+            details.append(f"- {where}: {word}, {span} (rounds' quartiles {spread}){variants}.")
+        return lines + [
+            "Speedup = multi-head attention's time ÷ MoH's (above 1: MoH is faster), the median of the paired rounds; "
+            "a range spans the variants measured (attention kind, pass).", "",
+            f"**MoH was faster on this machine** for: {'; '.join(faster) or 'nothing measured'}.", "",
+            f"**It was not faster** for: {'; '.join(other) or 'nothing measured'}.", "", *details, ""]
+
+
+def _span(low: float, high: float) -> str:
+    return f"{low:.2f}×" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}×"
 
 
 def bounds_lines(missed: list[str]) -> list[str]:
@@ -146,6 +207,14 @@ def bounds_lines(missed: list[str]) -> list[str]:
     return ["### What bounds the missed targets", ""] + [f"- **{kind}**: {BOUNDS[kind]}" for kind in kinds] + [""]
 
 
+def shared_machine(load_before, load_after) -> str:
+    """How loaded the machine was while the bench ran, when other work shared its cores; "" when it was quiet."""
+    load = max(load_before[0], load_after[0])
+    if load < 1.5 * torch.get_num_threads():
+        return ""
+    return f"Other work shared this machine (load average up to {load:.1f} on {os.cpu_count()} cores)"
+
+
 def header(load_before, load_after, seconds: float, command: str, repeats: int, warmup: int,
            cpu_time: bool) -> list[str]:
     """The page's first lines: the command, the machine and how loaded it was, how times and memory were taken."""
@@ -154,7 +223,6 @@ def header(load_before, load_after, seconds: float, command: str, repeats: int, 
     if cpuinfo.is_file():
         found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
         cpu = found.group(1) if found else cpu
-    quiet = max(load_before[0], load_after[0]) < 1.5 * torch.get_num_threads()
     clock = ("process CPU time (the work done; waiting for a core shared with other processes is not counted)"
              if cpu_time else "wall time")
     return [
@@ -166,7 +234,7 @@ def header(load_before, load_after, seconds: float, command: str, repeats: int, 
         f"before it); {clock}.",
         f"Load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load_before)}, after: "
         f"{'/'.join(f'{x:.2f}' for x in load_after)} — "
-        f"{'quiet' if quiet else 'shared with other work: timings are noisy'}.",
+        f"{'shared with other work: timings are noisy' if shared_machine(load_before, load_after) else 'quiet'}.",
         "Peak memory: resident-set growth of a fresh single-thread process during one forward + backward (VmHWM "
         "after resetting it via /proc/self/clear_refs, minus VmRSS before), glibc mmap threshold fixed at 64 KiB so "
         "freed tensors leave the process.", "",

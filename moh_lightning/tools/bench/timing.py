@@ -61,5 +61,6 @@ def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float, f
     """Median and quartiles of the per-round ratios ``times / base``: the two ran back to back in each round, so
     a slow spell of the machine hits both, where a ratio of the two medians would carry it."""
     ratios = sorted(t / b for t, b in zip(times, base, strict=True))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    # Inclusive: quartiles within the measured ratios (the default extrapolates past them for a few rounds).
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     return statistics.median(ratios), quartiles[0], quartiles[2]
