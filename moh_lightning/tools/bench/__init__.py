@@ -48,8 +48,8 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
     measured), and ends the page and the terminal with a verdict: where MoH was faster on this machine, by how much.
 
     Args:
-        quick: A subset in about a minute: N = 128 and 1,024 (where the CPU's head-sparse path is expected to win),
-            50% heads, caches of 256 and 4,096 tokens, the MNIST ViT's step.
+        quick: A subset in about a minute: batch 1 at N = 128 and 1,024 (where the CPU's head-sparse path is
+            expected to win), 50% heads, caches of 256 and 4,096 tokens, the MNIST ViT's step at batch 16.
         output: Markdown report; the plot goes beside it as ``<stem>.png``. By default a folder of this run's own,
             ``bench/<date>_<time>/bench_attention.md`` (``bench_attention_cuda.md`` on CUDA); the shipped pages in
             ``results/`` are rewritten only when named here.

@@ -34,8 +34,8 @@ def model_section(report: Report, clock: Clock, models, repeats: int, warmup: in
     report.section("models")
     rows = []
     for family, batch, shape, names, wanted in models:
-        if quick:  # the dense config and the first MoH one, a quarter of the batch
-            names, batch = names[:2], batch // 4
+        if quick:  # the dense config and the first MoH one, an eighth of the batch
+            names, batch = names[:2], batch // 8
         steps = {name: train_step(*model_step_parts(name, batch, clock.device, _seq_len(family, batch)))
                  for name in names}
         heavy = family == "llm" and batch == 1 or names[0] in ("vit_s_100", "dit_s2_100")
