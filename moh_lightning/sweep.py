@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -116,7 +115,7 @@ def sweep(
     _check_spec(out_dir, {"fit_config": str(config_path), "grid": grid or {},
                           "seeds": seeds, "extra_args": list(extra_args)})
 
-    with _environ({**_DRIVER_ENV, **(_local_auth(out_dir) if address is None else {})}):
+    with _environ(_DRIVER_ENV):
         results = _run_on_tune(trials, config_path, out_dir, address, max_concurrent, cpus_per_trial,
                                gpus_per_trial, retry_failed, reuse_workers, list(extra_args))
     paths = write_report(out_dir, results, shown, seeds, metric, mode, base, title=config_path.name)
@@ -223,23 +222,6 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _local_auth(out_dir: Path) -> dict[str, str]:
-    """Token authentication for the sweep's own local Ray cluster, its token kept in ``<out>/ray/auth_token``.
-
-    Left unset, Ray enables tokens for a new local cluster with a warning and writes ``~/.ray/auth_token`` outside the
-    sweep's folder, which then turns token authentication on for every later ``ray start --head`` on the machine.
-    Nothing is set when the user chose a mode or a token (``_environ`` keeps their values).
-    """
-    if any(key in os.environ for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
-        return {}
-    token = out_dir / "ray" / "auth_token"
-    if not token.is_file():
-        token.parent.mkdir(parents=True, exist_ok=True)
-        token.touch(mode=0o600)
-        token.write_text(secrets.token_hex(32))
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
 def _tune_callbacks() -> list:
