@@ -108,7 +108,8 @@ class _Ledger:
             self.logged.update({key: max(step, self.logged.get(key, -1)) for key in keys})
 
     def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.is_dir():
+            return  # the run folder of a run that failed before its first step, removed (RunSummary): nothing to keep
         partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         partial.write_text(json.dumps(self.saved, indent=1, sort_keys=True))
         os.replace(partial, self.path)

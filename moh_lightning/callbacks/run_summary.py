@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from moh_lightning.callbacks.head_load import HeadLoadCallback
-from moh_lightning.callbacks.logger_runs import describe, run_folder
+from moh_lightning.callbacks.logger_runs import LEDGER, describe, run_folder
 from moh_lightning.callbacks.reliability import StepCheckpoint
 from moh_lightning.layers import activated_head_fraction, moh_layers
 
@@ -23,7 +23,8 @@ class RunSummary(Callback):
     to open it (the ``tensorboard`` command, the MLflow run's page, the W&B run or how to upload an offline one).
 
     A fresh run that fails before its first step (a missing folder, a bad value found in ``setup``, Ctrl-C) has
-    written only what every run writes at its start: its events file, ``config.yaml`` and ``hparams.yaml``. Those are
+    written only what every run writes at its start: its events file, ``config.yaml``, ``hparams.yaml`` and the
+    logged-steps ledger. Those are
     removed with the then empty folder, so the next run takes its number and ``--ckpt_path last`` finds no empty
     run; a folder holding anything else, and a resumed run's, stay.
     """
@@ -47,7 +48,7 @@ class RunSummary(Callback):
         entries = list(folder.iterdir())
         events = [entry for entry in entries if entry.name.startswith("events.out.tfevents.")]
         # One events file, this run's: a folder another run wrote into (an explicit version) has two or more.
-        if len(events) != 1 or any(entry.name not in ("config.yaml", board.NAME_HPARAMS_FILE)
+        if len(events) != 1 or any(entry.name not in ("config.yaml", board.NAME_HPARAMS_FILE, LEDGER)
                                    for entry in entries if entry not in events):
             return
         board.experiment.close()  # the logger's finalize, next, writes nothing more into a closed writer
