@@ -23,7 +23,7 @@ from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
 from moh_lightning.layers.execution import execution_mode
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import hf_moh
-from moh_lightning.models.llama.network import sample
+from moh_lightning.models.llama.network import decode
 
 #: ``config.json`` ``model_type`` of the folders this suite writes: any family (``hf_moh``) and MoH-LLaMA.
 MOH_MODEL_TYPES = ("moh", "moh_llama")
@@ -122,21 +122,8 @@ class HFCausalLM(nn.Module):
         batch, length = idx.shape
         total = min(length + max_new_tokens, self.block_size)
         cache = DynamicCache(config=self.hf.config)
-        generator = torch.Generator(device=idx.device)
-        if seed is not None:
-            generator.manual_seed(seed)
-        out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
-        logits = self.hf(input_ids=idx, cache=cache, use_cache=True).logits[:, -1]
-        for _ in range(total - length):
-            token = sample(logits, temperature, top_k_tokens, top_p, generator)                 # (B, 1)
-            if eos_id is not None:
-                token = token.masked_fill(done[:, None], eos_id)
-                done |= token[:, 0] == eos_id
-            out = torch.cat([out, token], dim=1)
-            if done.all() or out.shape[1] == total:
-                break
-            logits = self.hf(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
-        return out
+        return decode(lambda tokens: self.hf(input_ids=tokens, cache=cache, use_cache=True).logits[:, -1], idx, total,
+                      temperature, top_k_tokens, top_p, eos_id, seed)
 
 
 def read_source_config(source: str) -> dict:

@@ -177,21 +177,31 @@ class MoHLlama(nn.Module):
         batch, length = idx.shape
         total = min(length + max_new_tokens, self.config.block_size)
         caches = self.init_kv_caches(batch, total)
-        generator = torch.Generator(device=idx.device)
-        if seed is not None:
-            generator.manual_seed(seed)
-        out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
-        logits = self(idx, caches)[:, -1]
-        for _ in range(total - length):
-            token = sample(logits, temperature, top_k_tokens, top_p, generator)                 # (B, 1)
-            if eos_id is not None:
-                token = token.masked_fill(done[:, None], eos_id)
-                done |= token[:, 0] == eos_id
-            out = torch.cat([out, token], dim=1)
-            if done.all() or out.shape[1] == total:
-                break
-            logits = self(token, caches)[:, -1]
-        return out
+        return decode(lambda tokens: self(tokens, caches)[:, -1], idx, total, temperature, top_k_tokens, top_p, eos_id,
+                      seed)
+
+
+def decode(next_logits, idx: torch.Tensor, total: int, temperature: float, top_k_tokens: int | None, top_p: float,
+           eos_id: int | None, seed: int | None) -> torch.Tensor:
+    """Continues ``idx`` (B, T) to ``total`` tokens: ``next_logits(tokens)`` feeds the new tokens through the model's
+    cache and returns the last position's logits (B, V); each step draws with ``sample``. Stops early once every row
+    has produced ``eos_id`` (later tokens of a finished row are ``eos_id``)."""
+    batch, length = idx.shape
+    generator = torch.Generator(device=idx.device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    out, done = idx, torch.zeros(batch, dtype=torch.bool, device=idx.device)
+    logits = next_logits(idx)
+    for _ in range(total - length):
+        token = sample(logits, temperature, top_k_tokens, top_p, generator)                     # (B, 1)
+        if eos_id is not None:
+            token = token.masked_fill(done[:, None], eos_id)
+            done |= token[:, 0] == eos_id
+        out = torch.cat([out, token], dim=1)
+        if done.all() or out.shape[1] == total:
+            break
+        logits = next_logits(token)
+    return out
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k_tokens: int | None = None, top_p: float = 1.0,
