@@ -119,8 +119,7 @@ class HFCausalLM(nn.Module):
         the router runs on every decoded token."""
         from transformers import DynamicCache
 
-        batch, length = idx.shape
-        total = min(length + max_new_tokens, self.block_size)
+        total = min(idx.shape[1] + max_new_tokens, self.block_size)
         cache = DynamicCache(config=self.hf.config)
         return decode(lambda tokens: self.hf(input_ids=tokens, cache=cache, use_cache=True).logits[:, -1], idx, total,
                       temperature, top_k_tokens, top_p, eos_id, seed)
