@@ -286,7 +286,9 @@ def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] 
         elif run is not None:
             args.tags = {**(args.tags or {}), "mlflow.parentRunId": run["run_id"]}  # MLflow nests it under the run
     elif issubclass(kind, WandbLogger):
-        args.save_dir = str(folder)  # W&B's own files of this run (offline parts, head_load/) in its folder too
+        # W&B's own files of this run (offline parts, head_load/) in its folder too; absolute, as W&B's service, which
+        # all runs of one Python process share, reads a relative folder from the folder it was started in.
+        args.save_dir = str(folder.absolute())
         args.name = title
         run = next((run for run in kept if run["logger"] == kind.__name__), None)
         if run is not None and continues:

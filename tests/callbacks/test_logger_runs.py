@@ -52,8 +52,10 @@ class PauseInStep5(Callback):
 
 def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:
     """``moh fit`` in a process of its own, stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it)."""
-    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads()),
-           "WANDB_SILENT": "true"}
+    # Without WANDB_SERVICE the child starts a W&B service of its own, as a `moh fit` from a shell does: one
+    # inherited from an earlier test here would still hold the killed run's id when the run is continued.
+    env = {**{key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"},
+           "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads()), "WANDB_SILENT": "true"}
     # A process started in the background ignores SIGINT, and its children would too: Ctrl-C is restored for it.
     run = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *ARGS, *logger,
                             "--trainer.callbacks+=test_logger_runs.PauseInStep5"], cwd=folder, env=env,
