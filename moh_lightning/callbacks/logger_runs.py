@@ -20,9 +20,10 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
@@ -59,8 +60,9 @@ def identity(logger: Logger) -> dict[str, Any]:
     return {**kind, "version": logger.version}
 
 
-def describe(logger: Logger) -> list[str]:
-    """The end summary's lines naming ``logger``'s run, and where to open it."""
+def describe(logger: Logger, pinned: Sequence[str] = ()) -> list[str]:
+    """The end summary's lines naming ``logger``'s run, and where to open it; ``pinned``: the scalar tags a
+    TensorBoard link pins above the rest."""
     if isinstance(logger, MLFlowLogger):
         run = logger.experiment.get_run(logger.run_id)
         uri = logger.experiment.tracking_uri
@@ -77,10 +79,22 @@ def describe(logger: Logger) -> list[str]:
         return [f"W&B run:     {run.name} ({run.id}), {run.url}"]
     if isinstance(logger, TensorBoardLogger):
         # The save folder, not this run's: the run opens beside its siblings (a MoH run and its dense baseline).
-        return [f"dashboards:  tensorboard --logdir {Path(logger.save_dir)}"]
+        lines = [f"dashboards:  tensorboard --logdir {Path(logger.save_dir)}"]
+        if pinned:
+            lines.append(f"             then {time_series_link(pinned)} ({', '.join(pinned)} pinned, unsmoothed)")
+        return lines
     if isinstance(logger, CSVLogger):
         return [f"metrics:     {Path(logger.log_dir) / 'metrics.csv'}"]
     return []
+
+
+def time_series_link(tags: Sequence[str], address: str = "http://localhost:6006/") -> str:
+    """TensorBoard's Time Series with ``tags`` pinned at the top and smoothing off, through its own deep-link
+    parameters (``pinnedCards``, ``smoothing``). Time Series sorts its card groups by tag and opens the first two,
+    which are ``epoch`` and ``head_load`` and leave ``train/`` and ``val/`` closed below them; and its default
+    smoothing, over a handful of validation points, can rank two runs against their last values."""
+    cards = json.dumps([{"plugin": "scalars", "tag": tag} for tag in tags], separators=(",", ":"))
+    return f"{address}?pinnedCards={quote(cards, safe='')}&smoothing=0#timeseries"
 
 
 class _Ledger:

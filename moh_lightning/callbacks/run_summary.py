@@ -87,13 +87,21 @@ def summary_lines(trainer: Trainer, pl_module: LightningModule, folder: Path | N
         budget += " (dense: no routed layer)"
     lines.append(f"  head budget: {budget}")
     if folder is not None:
-        lines += [f"  {line}" for logger in trainer.loggers for line in describe(logger)]
+        monitored = _monitored_checkpoint(trainer)
+        pinned = [tag for tag in ("train/loss", monitored.monitor if monitored else "val/loss")
+                  if tag in trainer.callback_metrics]
+        lines += [f"  {line}" for logger in trainer.loggers for line in describe(logger, pinned)]
     return lines
 
 
+def _monitored_checkpoint(trainer: Trainer) -> ModelCheckpoint | None:
+    """The checkpoint that keeps the run's best by a metric, if any."""
+    return next((cb for cb in trainer.checkpoint_callbacks
+                 if isinstance(cb, ModelCheckpoint) and not isinstance(cb, StepCheckpoint) and cb.monitor), None)
+
+
 def _metric_line(trainer: Trainer) -> str:
-    monitored = next((cb for cb in trainer.checkpoint_callbacks
-                      if isinstance(cb, ModelCheckpoint) and not isinstance(cb, StepCheckpoint) and cb.monitor), None)
+    monitored = _monitored_checkpoint(trainer)
     if monitored is not None:
         name, best = monitored.monitor, monitored.best_model_score
         final = _value(trainer.callback_metrics.get(name))

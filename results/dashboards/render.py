@@ -23,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from moh_lightning.callbacks.logger_runs import time_series_link
+
 HERE = Path(__file__).resolve().parent
 MOH = str(Path(sys.executable).with_name("moh"))
 TENSORBOARD = str(Path(sys.executable).with_name("tensorboard"))
@@ -44,6 +46,8 @@ RUNS = {
     "lm": ("llm_stdlib_75", _lm_args()),
 }
 
+# The cards `moh fit`'s closing link pins (train/loss and the metric its best checkpoint is chosen by; none for DiT).
+PINNED = {"vit": ["train/loss", "val/acc1"], "lm": ["train/loss", "val/loss"]}
 # view -> (URL fragment, window height): TensorBoard's own tabs, each at its default settings.
 VIEWS = {
     "timeseries": ("#timeseries", 2400),
@@ -139,6 +143,9 @@ def main() -> None:
                 board.wait_for_images()
                 for view, (fragment, height) in VIEWS.items():
                     screenshot(board.url + "/" + fragment, args.out / f"{task}_{view}.png", height, Path(profile))
+                if task in PINNED:
+                    screenshot(time_series_link(PINNED[task], board.url + "/"),
+                               args.out / f"{task}_timeseries_pinned.png", 1400, Path(profile))
         with TensorBoard(workdir / "runs") as board:  # every task's run in one HParams table
             board.wait_for_images()
             screenshot(board.url + "/#hparams", args.out / "all_hparams.png", 700, Path(profile), width=2200)

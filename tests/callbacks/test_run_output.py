@@ -2,12 +2,14 @@
 saying where the run went and how it did; a run without a run folder writes nothing."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -41,7 +43,13 @@ def test_a_first_fit_reads_cleanly_and_ends_with_a_summary(tmp_path):
     assert best and (tmp_path / best.group(1)).is_file()
     assert "75.0% of heads active per token, 6 routed layers; collapsed heads: none" in summary
     # every run of the save folder, so the run opens beside the ones it is compared with
-    assert stdout.rstrip().endswith("dashboards:  tensorboard --logdir runs"), "the summary comes last"
+    board, link = stdout.rstrip().splitlines()[-2:]
+    assert board.endswith("dashboards:  tensorboard --logdir runs"), "the summary comes last"
+    # the loss and the monitored metric above the head-load cards, unsmoothed
+    query = parse_qs(urlparse(link.split()[1]).query)
+    assert json.loads(query["pinnedCards"][0]) == [{"plugin": "scalars", "tag": "train/loss"},
+                                                   {"plugin": "scalars", "tag": "val/acc1"}]
+    assert query["smoothing"] == ["0"] and link.endswith("(train/loss, val/acc1 pinned, unsmoothed)")
     assert "v_num" not in out
 
 
