@@ -9,14 +9,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from moh_lightning.data.images import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    DeviceAugment,
-    PredictFolder,
-    WorkerRandomState,
-    _normalisation,
-)
+from moh_lightning.data.image_transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceAugment, normalisation
+from moh_lightning.data.images import PredictFolder, WorkerRandomState
 from moh_lightning.data.loaders import train_loader
 from moh_lightning.errors import MissingDataError
 
@@ -79,7 +73,7 @@ class HFImageDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.mean, self.std = _normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
+        self.mean, self.std = normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
         self._splits = None
         self.train_set: HFImageDataset | None = None
         self.val_set: HFImageDataset | None = None

@@ -15,19 +15,24 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from PIL import Image
-from timm.data import create_transform
-from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes
 
+from moh_lightning.data.image_transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MNIST_MEAN,
+    MNIST_STD,
+    DeviceAugment,
+    eval_transform,
+    normalisation,
+)
 from moh_lightning.data.loaders import pin_memory, train_loader
 from moh_lightning.errors import MissingDataError
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CorruptPolicy = Literal["skip", "error"]
 log = logging.getLogger(__name__)
 
@@ -72,95 +77,6 @@ def grayscale_loader(path: str) -> Image.Image:
     """Opens an image as one channel (PIL mode ``L``); a module function so loader workers can pickle it."""
     with open(path, "rb") as file:
         return Image.open(file).convert("L")
-
-
-def _normalisation(in_chans: int, mean, std, default_mean, default_std) -> tuple[tuple, tuple]:
-    """``mean`` / ``std`` as given, else the defaults, averaged down to one channel for grayscale input."""
-    if in_chans not in (1, 3):
-        raise ValueError(f"data.init_args.in_chans={in_chans}: choose 1 (grayscale) or 3 (RGB).")
-    mean = tuple(mean) if mean is not None else tuple(default_mean)
-    std = tuple(std) if std is not None else tuple(default_std)
-    if in_chans == 1 and len(mean) == 3 and len(std) == 3 and (mean, std) == (tuple(default_mean),
-                                                                            tuple(default_std)):
-        mean, std = (sum(mean) / 3,), (sum(std) / 3,)
-    if in_chans == 3 and len(mean) == 1 and len(std) == 1:  # one value for every channel, as [0.5] for [-1, 1]
-        mean, std = mean * 3, std * 3
-    if len(mean) != in_chans or len(std) != in_chans:
-        raise ValueError(f"data.init_args.mean={list(mean)} / std={list(std)}: give one value per channel "
-                         f"(in_chans={in_chans}).")
-    return mean, std
-
-
-def image_transforms(img_size: int, in_chans: int, crop_scale, hflip: float, auto_augment, re_prob: float,
-                     interpolation: str, crop_pct: float, mean, std, on_device: bool = False, ratio=None,
-                     color_jitter: float = 0.4):
-    """timm's ``create_transform`` for training and for validation, with timm's own argument names.
-
-    ``ratio`` is the random-resized crop's aspect-ratio range (None: timm's 3/4-4/3); ``color_jitter`` applies only
-    without ``auto_augment``, as in timm. ``on_device``: the loader workers crop, flip and augment only, and hand over
-    uint8 tensors (a quarter of float32's bytes to copy); normalisation and Random Erasing run on the device after the
-    copy (``DeviceAugment``), as timm's ``PrefetchLoader`` does.
-    """
-    size = (in_chans, img_size, img_size)
-    train = create_transform(size, is_training=True, scale=tuple(crop_scale), hflip=hflip,
-                             ratio=tuple(ratio) if ratio is not None else None, color_jitter=color_jitter,
-                             auto_augment=auto_augment, re_prob=re_prob, interpolation=interpolation,
-                             mean=mean, std=std, use_prefetcher=on_device)
-    return train, eval_transform(img_size, in_chans, interpolation, crop_pct, mean, std, on_device)
-
-
-def eval_transform(img_size: int, in_chans: int, interpolation: str, crop_pct: float, mean, std,
-                   on_device: bool = False):
-    """timm's ``create_transform`` for validation, test and prediction: resize, centre crop, normalise (on the device
-    after the copy when ``on_device``: uint8 out)."""
-    return create_transform((in_chans, img_size, img_size), is_training=False, crop_pct=crop_pct,
-                            interpolation=interpolation, mean=mean, std=std, use_prefetcher=on_device)
-
-
-class DeviceAugment:
-    """The last steps of the image transforms on the device, after the batch is copied there (timm's prefetcher's
-    work, as a ``LightningDataModule`` hook): uint8 to float, normalisation, and in training Random Erasing.
-
-    ``device_augment``: ``auto`` does this when the Trainer runs on CUDA (the loader workers then deliver what the GPU
-    consumes with fewer cores), ``true`` on any device, ``false`` never (the workers normalise and erase, as timm's
-    transforms alone do). Mixup / CutMix run on the device in the task either way.
-    """
-
-    def device_side(self) -> bool:
-        """Whether this run's loaders hand over uint8 images for the device to finish."""
-        setting = self.hparams.device_augment
-        if setting == "auto":
-            return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return bool(setting)
-
-    def transforms(self):
-        """(training, validation) transforms of this module's switches, finished on the device when ``device_side``."""
-        hp = self.hparams
-        self._device_side = self.device_side()
-        # ratio and color_jitter are the folder module's; the others keep timm's defaults.
-        return image_transforms(hp.img_size, hp.in_chans, hp.crop_scale, hp.hflip, hp.auto_augment, hp.re_prob,
-                                hp.interpolation, hp.crop_pct, self.mean, self.std, on_device=self._device_side,
-                                ratio=hp.get("ratio"), color_jitter=hp.get("color_jitter", 0.4))
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        if not getattr(self, "_device_side", False) or not isinstance(batch, (tuple, list)) \
-                or batch[0].dtype != torch.uint8:
-            return batch
-        images = batch[0]
-        channels = images.shape[1]
-        mean = torch.tensor(self.mean, device=images.device).view(1, channels, 1, 1) * 255
-        std = torch.tensor(self.std, device=images.device).view(1, channels, 1, 1) * 255
-        images = (images.float() - mean) / std
-        if self.hparams.re_prob > 0 and self.trainer is not None and self.trainer.training:
-            images = self._random_erasing(images.device)(images)
-        return (images, *batch[1:])
-
-    def _random_erasing(self, device: torch.device) -> RandomErasing:
-        erasing = getattr(self, "_erasing", None)
-        if erasing is None or erasing.device != device:
-            # timm's own, as its prefetcher and its worker-side transform use it: the same distribution either side.
-            erasing = self._erasing = RandomErasing(self.hparams.re_prob, mode="const", device=device)
-        return erasing
 
 
 class CheckedImageFolder(WorkerRandomState, ImageFolder):
@@ -341,7 +257,7 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
         if not 0 < val_fraction < 1:
             raise ValueError(f"data.init_args.val_fraction={val_fraction}: give the share of a flat folder's images "
                              f"held out for validation, between 0 and 1 (e.g. 0.1).")
-        self.mean, self.std = _normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
+        self.mean, self.std = normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
         self.train_set: CheckedImageFolder | None = None
         self.val_set: CheckedImageFolder | None = None
         self.test_set: CheckedImageFolder | None = None
@@ -516,7 +432,7 @@ class MNISTDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.mean, self.std = _normalisation(in_chans, mean, std, MNIST_MEAN, MNIST_STD)
+        self.mean, self.std = normalisation(in_chans, mean, std, MNIST_MEAN, MNIST_STD)
         self.train_set: ArrayImageDataset | None = None
         self.val_set: ArrayImageDataset | None = None
 

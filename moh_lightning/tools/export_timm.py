@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from moh_lightning.data.images import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
+from moh_lightning.data.image_transforms import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
 from moh_lightning.models.transnext import GENERIC_TRANSNEXT, NAMED_MODELS, TransNeXtConfig
 from moh_lightning.models.vit import GENERIC_VIT, NAMED_VITS, ViTConfig
 

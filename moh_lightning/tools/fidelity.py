@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from moh_lightning.data.images import eval_transform
+from moh_lightning.data.image_transforms import eval_transform
 from moh_lightning.metrics.fidelity import compute_fidelity, feature_fidelity, load_images, reference_cache_name
 from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.classification import ImageClassifier
