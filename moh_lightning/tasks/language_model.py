@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from moh_lightning.data.text import BYTE_TOKENIZER
+from moh_lightning.data.tokenizers import BYTE_TOKENIZER
 from moh_lightning.errors import BadValueError
 from moh_lightning.models.hf_causal import build_hf_causal, family_config, head_budget, read_source_config
 from moh_lightning.models.llama import LlamaConfig, MoHLlama

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from moh_lightning.data.text import exported_tokenizer
+from moh_lightning.data.tokenizers import exported_tokenizer
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     HFCausalLM,

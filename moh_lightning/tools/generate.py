@@ -1,7 +1,7 @@
 """``moh generate``: continue a prompt with a trained MoH language model."""
 from __future__ import annotations
 
-from moh_lightning.data.text import load_tokenizer
+from moh_lightning.data.tokenizers import load_tokenizer
 from moh_lightning.models.hf_causal import HFCausalLM
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import complete

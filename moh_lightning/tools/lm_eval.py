@@ -60,7 +60,7 @@ class MoHLM(HFLM):
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 1,
                  max_length: int | None = None, device: str = "cpu", **kwargs) -> None:
-        from moh_lightning.data.text import exported_tokenizer, load_tokenizer
+        from moh_lightning.data.tokenizers import exported_tokenizer, load_tokenizer
         from moh_lightning.tasks.checkpoints import load_language_model
 
         task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")

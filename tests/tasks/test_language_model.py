@@ -20,10 +20,9 @@ from moh_lightning.data.text import (
     MixtureSequences,
     TextDataModule,
     TextSource,
-    encode,
-    load_tokenizer,
     tokenize_source,
 )
+from moh_lightning.data.tokenizers import encode, load_tokenizer
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, sample

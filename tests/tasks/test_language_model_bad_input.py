@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from moh_lightning.cli import main
-from moh_lightning.data.text import TextDataModule, TextSource, load_tokenizer
+from moh_lightning.data.text import TextDataModule, TextSource
+from moh_lightning.data.tokenizers import load_tokenizer
 
 
 def _data(tmp_path: Path, *sources: TextSource, **kwargs) -> TextDataModule:

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
 
 from moh_lightning.cli import main as moh
-from moh_lightning.data.text import TextDataModule, TextSource, encode, exported_tokenizer, load_tokenizer
+from moh_lightning.data.text import TextDataModule, TextSource
+from moh_lightning.data.tokenizers import encode, exported_tokenizer, load_tokenizer
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, export_hf
 from moh_lightning.tasks.checkpoints import load_language_model

@@ -1,0 +1,103 @@
+"""Tokenizers of the language-model task: any Hugging Face tokenizer by name or path, or ``byte``: transformers'
+``ByT5Tokenizer`` (UTF-8 bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just
+``byte + 3``. Exported models carry ``exported_tokenizer``: the same ids from a plain ``tokenizer(text)``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moh_lightning.errors import MissingDataError
+
+BYTE_TOKENIZER = "byte"
+_BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
+
+
+def load_tokenizer(name: str, key: str = "tokenizer"):
+    """``byte`` (ByT5's byte-level tokenizer, built without any file) or a Hugging Face tokenizer.
+
+    ``key`` names the setting in the one-line error raised when the tokenizer cannot be found or loaded.
+    """
+    if name == BYTE_TOKENIZER:
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer(extra_ids=0)
+    from transformers import AutoTokenizer
+
+    advice = "give a tokenizer folder (written by save_pretrained), a hub id that is reachable or cached, or 'byte'"
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+        raise MissingDataError(f"{key}={name!r}: no such folder; {advice}.")
+    try:
+        # A tokenizer runs no custom code here; the folders `moh convert-hf` / `export-hf` write hold a model's remote
+        # code beside the tokenizer, which transformers would otherwise ask about, stopping a run at a prompt.
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        # transformers' messages run over several lines; the first says what failed.
+        reason = str(error).strip().splitlines()[0].rstrip(" :")
+        raise MissingDataError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None
+
+
+def tokenizer_identity(name: str, tokenizer) -> str:
+    """What makes a tokenizer's ids: its class, vocabulary, rules and EOS, hashed; not the name it was loaded by.
+
+    A local tokenizer folder retrained under the same path gets another identity, and so another cache entry.
+    """
+    if name == BYTE_TOKENIZER:
+        return BYTE_TOKENIZER
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    blob = json.dumps([type(tokenizer).__name__, state, tokenizer.eos_token_id, tokenizer.all_special_tokens])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def encode(tokenizer, tokenizer_name: str, text: bytes | str) -> np.ndarray:
+    """Token ids of one document followed by EOS."""
+    if tokenizer_name == BYTE_TOKENIZER:
+        raw = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) + _BYTE_OFFSET
+    else:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    return np.append(ids, tokenizer.eos_token_id)
+
+
+def exported_tokenizer(name: str, key: str = "tokenizer"):
+    """The tokenizer ``name`` as ``moh export-hf`` saves it: a plain ``tokenizer(text)`` gives ``encode``'s ids
+    without the EOS that ends a document, the ids the model was trained on.
+
+    ``byte`` becomes a ``tokenizers`` fast tokenizer, whose ``tokenizer.json`` loads in ``transformers`` without
+    remote code and in ``tokenizers`` itself: a ByteLevel pre-tokenizer (no regex, no prefix space) turns every UTF-8
+    byte into one symbol, a BPE without merges maps it to byte + 3, pad / eos / unk are 0 / 1 / 2 as in ByT5, and
+    nothing is appended (ByT5 appends EOS to every call). A Hugging Face tokenizer keeps its vocabulary with BOS / EOS
+    insertion turned off.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if name == BYTE_TOKENIZER:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        symbols = bytes_to_unicode()  # the byte -> symbol table of the ByteLevel pre-tokenizer
+        vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {symbols[b]: b + _BYTE_OFFSET for b in range(256)}
+        backend = Tokenizer(models.BPE(vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        # split_special_tokens: text such as "</s>" stays bytes, as encode() read it for training.
+        return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                       unk_token="<unk>", split_special_tokens=True)
+    tokenizer = load_tokenizer(name, key)
+    if isinstance(tokenizer, PreTrainedTokenizerFast):
+        tokenizer.add_bos_token = tokenizer.add_eos_token = False  # rewrites the post-processor, saved with it
+    probe = "def f(x):\n    return x"
+    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{key}={name!r}: {type(tokenizer).__name__} adds special tokens that cannot be turned off, "
+                         f"so a plain call would not encode as training did; give a fast tokenizer (tokenizer.json).")
+    return tokenizer
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
