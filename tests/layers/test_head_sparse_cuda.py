@@ -277,3 +277,22 @@ def test_bench_on_cuda_without_a_gpu_says_so():
         pytest.skip("a GPU is here")
     with pytest.raises(SystemExit, match="--device cuda, but torch sees no CUDA device"):
         bench(device="cuda")
+
+
+@pytest.mark.parametrize("path", ["bidirectional", "causal", "decoding"])
+def test_cuda_layouts_read_nothing_back_to_the_host(path):
+    """Forward and backward of each CUDA layout, with the kernels stubbed by shape-only stand-ins, dispatch no op that
+    reads a value back to the host (the GPU would wait) or sizes a tensor by the data: the packing, the slots and the
+    block masks are built from counts and positions on the device."""
+    from moh_lightning.tools.bench.op_count import DATA_DEPENDENT, count_ops
+
+    length = 1 if path == "decoding" else 150
+    q, k, v, gates = _inputs(length, 150, 4, 3, torch.bfloat16 if path == "bidirectional" else torch.float32)
+
+    def step():
+        out = head_sparse_attention_cuda(q, k, v, gates, 2, causal=path != "bidirectional", offset=150 - length,
+                                         active_heads=5, varlen=lambda q, *_: q * 1.0, flex=lambda q, *_, **__: q * 1.0)
+        out.float().sum().backward()
+
+    found = {name for name in count_ops(step) if name in DATA_DEPENDENT}
+    assert not found, found
