@@ -76,7 +76,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
             into ``output`` (``results/loader.json`` by default) and the page ``loader.md`` beside it. ``quick``:
             batches of 16, one timed batch per worker.
         loader_workers: The loader's worker counts (0: the main process); None: 1, each power of two up to the
-            core count, and the core count.
+            count of cores this process may use, and that count.
         loader_data: An ImageNet-layout folder of your own (``train/<class>/``, ``val/<class>/``, or ``<class>/``
             folders) to load instead of synthetic JPEGs; it is only read.
         loader_batches: Timed batches per worker, after each worker's first.

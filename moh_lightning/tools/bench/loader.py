@@ -36,9 +36,14 @@ QUICK_BATCH = 16
 GPU_STEPS = Path("results/gpu/steps.json")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: a container's CPU set, not the host's count that ``os.cpu_count`` gives."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_workers() -> list[int]:
     """1, every power of two up to the core count, and the core count."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     return sorted({2 ** k for k in range(cores.bit_length()) if 2 ** k <= cores} | {cores})
 
 
@@ -75,7 +80,7 @@ def bench_loader(output: str = "results/loader.json", workers: list[int] | None 
                 path.with_suffix(".md").write_text(page(rows, images, command, load_before, os.getloadavg(),
                                                         time.time() - started, settings))
                 row = rows[-1]
-                print(f"moh bench: loader device_augment {device_augment}, {count} workers: "
+                print(f"moh bench: loader device_augment {device_augment}, workers {count}: "
                       f"{row['images_per_s']:.0f} images/s, {row['per_worker']:.0f} per worker -> {path}", flush=True)
     return path
 
@@ -100,7 +105,7 @@ def measure(module: ImageFolderDataModule, workers: int, device_augment: bool, b
     return {"device_augment": device_augment, "workers": workers, "images_per_s": rate, "per_worker": rate / warm,
             "batch": module.hparams.batch_size, "batches": batches * warm, "seconds": seconds,
             "dtype": str(images.dtype).removeprefix("torch."), "shape": list(images.shape[1:]), "cpu": cpu_name(),
-            "cores": os.cpu_count(), "load": [load, os.getloadavg()[0]]}
+            "cores": usable_cores(), "load": [load, os.getloadavg()[0]]}
 
 
 def _endless(loader):
@@ -112,7 +117,7 @@ def write_jpegs(root: Path, count: int) -> Path:
     """``count`` synthetic photos as ``train/<class>/*.JPEG`` and one per class in ``val/`` (the layout's split)."""
     jobs = [(root / "train" / f"n{i % CLASSES:08d}" / f"{i:07d}.JPEG", i) for i in range(count)]
     jobs += [(root / "val" / f"n{i:08d}" / f"{count + i:07d}.JPEG", count + i) for i in range(CLASSES)]
-    with ProcessPoolExecutor(min(os.cpu_count() or 1, max(1, count // 64))) as pool:
+    with ProcessPoolExecutor(min(usable_cores(), max(1, count // 64))) as pool:
         list(pool.map(_write_jpeg, jobs, chunksize=64))
     return root
 
@@ -203,4 +208,4 @@ def page(rows: list[dict], images: dict, command: str, load_before, load_after, 
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["bench_loader", "default_workers", "dense_vit_s_rate", "describe", "page", "write_jpegs"]
+__all__ = ["bench_loader", "default_workers", "dense_vit_s_rate", "describe", "page", "usable_cores", "write_jpegs"]
