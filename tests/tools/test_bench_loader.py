@@ -46,3 +46,18 @@ def test_missing_folder_is_one_line_naming_the_option(run_dir):
     message = str(exit_info.value.code)
     assert "--loader_data nowhere" in message and "\n" not in message
     assert not (run_dir / "results").exists()
+
+
+def test_gpu_comparison_reads_the_compiled_dense_vit_s_row(run_dir):
+    from moh_lightning.tools.bench.loader import against_gpu
+
+    (run_dir / "results/gpu").mkdir(parents=True)
+    step = {"config": "vit_s_75", "baseline": "vit_s_100", "device": "NVIDIA H100", "batch": 128}
+    (run_dir / "results/gpu/steps.json").write_text(json.dumps([{**step, "compile": False, "baseline_ms": 100.0},
+                                                                {**step, "compile": True, "baseline_ms": 64.0}]))
+    rows = [{"device_augment": True, "workers": 1, "per_worker": 250.0, "images_per_s": 250.0},
+            {"device_augment": True, "workers": 16, "per_worker": 200.0, "images_per_s": 3200.0},
+            {"device_augment": False, "workers": 16, "per_worker": 100.0, "images_per_s": 1600.0}]
+    text = "\n".join(against_gpu(rows))
+    assert "NVIDIA H100: 2000 images/s" in text and "16 workers (device_augment true): 3200 images/s, enough" in text
+    assert "2000 / 250 = 8.0 at the rate of 1 worker and 2000 / 200 = 10.0 at the rate of 16 workers" in text

@@ -143,7 +143,8 @@ def describe(files: list[str], synthetic: bool, sample: int = 1000) -> dict:
     sizes = np.array([_pixels(file) for file in chosen], dtype=float)
     kilobytes = np.mean([os.path.getsize(file) for file in chosen]) / 1e3
     return {"images": len(files), "synthetic": synthetic, "mean_kb": kilobytes,
-            "mean_width": sizes[:, 0].mean(), "mean_height": sizes[:, 1].mean(), "sampled": len(chosen)}
+            "mean_width": sizes[:, 0].mean(), "mean_height": sizes[:, 1].mean(),
+            "mean_megapixels": sizes.prod(1).mean() / 1e6, "sampled": len(chosen)}
 
 
 def _pixels(file: str) -> tuple[int, int]:
@@ -174,8 +175,9 @@ def page(rows: list[dict], images: dict, command: str, load_before, load_after, 
         f"{'/'.join(f'{x:.2f}' for x in load_after)} (after includes the bench's own workers). "
         + (f"{busy} before the bench started: the rates below are what that work left over." if busy else
            "Quiet before the bench started."), "",
-        f"Images: {made}; mean {images['mean_kb']:.0f} KB a file and {images['mean_width']:.0f} x "
-        f"{images['mean_height']:.0f} px (over {images['sampled']} of them), read from the page cache.", "",
+        f"Images: {made}; on average {images['mean_kb']:.0f} KB a file, {images['mean_width']:.0f} x "
+        f"{images['mean_height']:.0f} px and {images['mean_megapixels']:.2f} megapixels (over {images['sampled']} of "
+        f"them); read from the page cache.", "",
         f"Loader: `ImageFolderDataModule.train_dataloader` with `{RECIPE}`'s data settings "
         f"({', '.join(f'{k} {v}' for k, v in settings.items() if k != 'num_workers')}; the rest the module's "
         f"defaults), the workers and `device_augment` below. `true` (a GPU run's setting) hands over uint8 images: "
@@ -187,25 +189,34 @@ def page(rows: list[dict], images: dict, command: str, load_before, load_after, 
     lines += [f"| {r['device_augment']} | {r['workers']} | {r['images_per_s']:.0f} | {r['per_worker']:.0f} | "
               f"{r['batches']} x {r['batch']} | {r['dtype']} {'x'.join(map(str, r['shape']))} | "
               f"{r['load'][0]:.2f} -> {r['load'][1]:.2f} |" for r in rows]
-    gpu_rows = [r for r in rows if r["device_augment"]]
-    if gpu_rows:
-        widest = max(gpu_rows, key=lambda r: r["workers"])
-        per_worker, gpu = widest["per_worker"], dense_vit_s_rate()
-        lines += ["", "## Against the GPU step", ""]
-        if gpu is None:
-            lines.append(f"The compiled dense ViT-S step's images/s: not yet measured on a GPU (`{GPU_STEPS}` has no "
-                         f"compiled `vit_s_100` CUDA row).")
-        else:
-            verdict = "enough" if widest["images_per_s"] >= gpu[0] else "**not enough**"
-            lines.append(f"The compiled dense ViT-S step on {gpu[1]}: {gpu[0]:.0f} images/s (`{GPU_STEPS}`). This "
-                         f"loader with {widest['workers']} workers (device_augment true): "
-                         f"{widest['images_per_s']:.0f} images/s, {verdict}.")
-        needed = f"{gpu[0]:.0f} / {per_worker:.0f} = {gpu[0] / per_worker:.1f} workers" if gpu else (
-            f"N / {per_worker:.0f} workers, {1000 / per_worker:.1f} for every 1,000 images/s")
-        lines.append(f"Estimate (arithmetic, not measured): at {per_worker:.0f} images/s per worker (device_augment "
-                     f"true, {widest['workers']} workers on this machine) a GPU step taking N images/s needs "
-                     f"{needed}, if the workers scale to that many cores.")
+    lines += against_gpu(rows)
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["bench_loader", "default_workers", "dense_vit_s_rate", "describe", "page", "usable_cores", "write_jpegs"]
+def against_gpu(rows: list[dict]) -> list[str]:
+    """The compiled dense ViT-S step's images/s against the loader's, and the workers a GPU step needs: N / the rate
+    per worker, at one worker's rate (a core's) and at the most workers'. From the device_augment true rows."""
+    used = sorted((r for r in rows if r["device_augment"]), key=lambda r: r["workers"])
+    if not used:
+        return []
+    gpu, widest = dense_vit_s_rate(), used[-1]
+    if gpu is None:
+        lines = [f"The compiled dense ViT-S step's images/s: not yet measured on a GPU (`{GPU_STEPS}` has no compiled "
+                 f"`vit_s_100` CUDA row)."]
+    else:
+        verdict = "enough" if widest["images_per_s"] >= gpu[0] else "**not enough**"
+        lines = [f"The compiled dense ViT-S step on {gpu[1]}: {gpu[0]:.0f} images/s (`{GPU_STEPS}`). This loader "
+                 f"with {widest['workers']} workers (device_augment true): {widest['images_per_s']:.0f} images/s, "
+                 f"{verdict}."]
+    rate = gpu[0] if gpu else 1000
+    needed = " and ".join(f"{rate:.0f} / {r['per_worker']:.0f} = {rate / r['per_worker']:.1f} at the rate of "
+                          f"{r['workers']} worker{'s' if r['workers'] != 1 else ''}"
+                          for r in {id(r): r for r in (used[0], widest)}.values())
+    lines.append(f"Estimate (arithmetic, not measured; device_augment true, assuming the workers scale to that many "
+                 f"cores): a GPU step taking N images/s needs N / (images/s per worker) workers: "
+                 f"{'for its' if gpu else 'per 1,000 images/s,'} {needed}.")
+    return ["", "## Against the GPU step", "", *lines]
+
+
+__all__ = ["against_gpu", "bench_loader", "default_workers", "dense_vit_s_rate", "describe", "page", "usable_cores",
+           "write_jpegs"]
