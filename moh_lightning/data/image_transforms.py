@@ -3,6 +3,8 @@ last steps (uint8 to float, normalisation, Random Erasing) on the device after t
 from __future__ import annotations
 
 import torch
+from PIL import Image
+from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 from timm.data.random_erasing import RandomErasing
 
@@ -42,7 +44,23 @@ def image_transforms(img_size: int, in_chans: int, crop_scale, hflip: float, aut
                              ratio=tuple(ratio) if ratio is not None else None, color_jitter=color_jitter,
                              auto_augment=auto_augment, re_prob=re_prob, interpolation=interpolation,
                              mean=mean, std=std, use_prefetcher=on_device)
+    for step in train.transforms:
+        for op in getattr(step, "ops", ()):  # RandAugment's and AugMix's
+            if op.aug_fn is timm_auto_augment.posterize:
+                op.aug_fn = posterize
     return train, eval_transform(img_size, in_chans, interpolation, crop_pct, mean, std, on_device)
+
+
+def posterize(image: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """timm's posterize op, at 0 bits too: an all-black image, as TensorFlow's RandAugment and older Pillow give.
+
+    RandAugment's top magnitude keeps no bits (``inc1``), and ``rand-m9-mstd0.5`` draws it (9 + 0.5 sigma, clipped at
+    10) for about 2% of its posterize ops; Pillow 13 (this suite's) refuses 0 bits, so a loader worker stopped an
+    ImageNet-recipe run with a ValueError within its first thousand or so images.
+    """
+    if bits_to_keep <= 0:
+        return Image.new(image.mode, image.size)
+    return timm_auto_augment.posterize(image, bits_to_keep)
 
 
 def eval_transform(img_size: int, in_chans: int, interpolation: str, crop_pct: float, mean, std,

@@ -116,3 +116,21 @@ def test_digits_folder(tmp_path):
     with Image.open(train[0]) as image:
         assert image.mode == "L" and image.size == (32, 32)
     assert not {p.name for p in train} & {p.name for p in val}
+
+
+def test_randaugments_top_posterize_magnitude_blackens_instead_of_failing(tmp_path, write_image_folder):
+    # The ImageNet recipe's rand-m9-mstd0.5-inc1 draws magnitude 10 (no bits kept) for ~2% of its posterize ops.
+    from timm.data.auto_augment import AugmentOp, RandAugment
+
+    from moh_lightning.data.image_transforms import posterize
+
+    write_image_folder(tmp_path)
+    dm = ImageFolderDataModule(str(tmp_path), img_size=32, num_workers=0, auto_augment="rand-m9-mstd0.5-inc1")
+    dm.setup("fit")
+    (augment,) = _parts(dm.train_set.transform, RandAugment)
+    ops = [op for op in augment.ops if op.name.startswith("Posterize")]
+    assert ops and all(op.aug_fn is posterize for op in ops)
+    top = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)
+    top.aug_fn = ops[0].aug_fn
+    image = Image.new("RGB", (8, 8), (200, 100, 50))
+    assert top(image).getextrema() == ((0, 0),) * 3 and posterize(image, 4).getpixel((0, 0)) == (192, 96, 48)

@@ -2,7 +2,8 @@
 
 This module is the command: its options, which sections run, the page they make. Each section measures in a module
 of its own (``core``, ``layer``, ``memory``, ``decode``, ``models``), all timed the same way (``timing``), and
-``report`` holds what the page says; ``--device cuda`` runs the GPU report (``cuda``) instead.
+``report`` holds what the page says; ``--device cuda`` runs the GPU report (``cuda``) instead, ``--steps true`` each
+task's training step (``steps``) and ``--loader true`` the ImageNet recipe's image loader alone (``loader``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from moh_lightning.tools.bench.core import core_section
 from moh_lightning.tools.bench.cuda import bench_cuda
 from moh_lightning.tools.bench.decode import decode_section
 from moh_lightning.tools.bench.layer import layer_section
+from moh_lightning.tools.bench.loader import bench_loader
 from moh_lightning.tools.bench.memory import memory_section
 from moh_lightning.tools.bench.models import (
     MODELS,
@@ -31,7 +33,8 @@ from moh_lightning.tools.bench.steps import bench_steps
 from moh_lightning.tools.bench.timing import Clock
 
 DEFAULTS = {"quick": False, "repeats": 5, "warmup": 2, "models": True, "compiled": True, "threads": None,
-            "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False}
+            "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False, "loader": False,
+            "loader_workers": None, "loader_data": None, "loader_batches": 20}
 
 
 def default_output(name: str) -> Path:
@@ -41,7 +44,8 @@ def default_output(name: str) -> Path:
 
 def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
           models: bool = True, compiled: bool = True, threads: int | None = None, device: str = "cpu",
-          clock: str = "wall", compile_backend: str = "inductor", steps: bool = False) -> Path:
+          clock: str = "wall", compile_backend: str = "inductor", steps: bool = False, loader: bool = False,
+          loader_workers: list[int] | None = None, loader_data: str | None = None, loader_batches: int = 20) -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Prints each section as it starts and ends, rewrites the page after each (a stopped bench leaves what it
@@ -67,10 +71,26 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
         steps: Only each task's MoH training step against its dense config (``bench.steps``): eager, and on CUDA
             compiled too; rows into ``output`` (``results/gpu/steps.json`` by default) and a page beside it.
+        loader: Only the ImageNet recipe's training loader (``bench.loader``): images/s and images/s per worker for
+            each of ``loader_workers``, ``device_augment`` true and false, on JPEGs of ImageNet's typical sizes; rows
+            into ``output`` (``results/loader.json`` by default) and the page ``loader.md`` beside it. ``quick``:
+            batches of 16, one timed batch per worker.
+        loader_workers: The loader's worker counts (0: the main process); None: 1, each power of two up to the
+            count of cores this process may use, and that count.
+        loader_data: An ImageNet-layout folder of your own (``train/<class>/``, ``val/<class>/``, or ``<class>/``
+            folders) to load instead of synthetic JPEGs; it is only read.
+        loader_batches: Timed batches per worker, after each worker's first.
     """
     if clock not in ("wall", "cpu"):
         raise SystemExit(f"moh bench: --clock {clock!r}: choose wall or cpu.")
     run_on = torch.device(device)
+    if loader:
+        given = {"loader_workers": loader_workers, "loader_data": loader_data, "loader_batches": loader_batches}
+        command = " ".join(["moh bench --loader true"] + (["--quick true"] if quick else [])
+                           + [f"--{k} {str(v).replace(' ', '')}" for k, v in given.items() if v != DEFAULTS[k]]
+                           + ([f"--output {output}"] if output else []))
+        return bench_loader(output or "results/loader.json", loader_workers, loader_data, loader_batches, quick,
+                            command)
     if steps:
         return bench_steps(device, output or "results/gpu/steps.json", compiled=compiled and run_on.type == "cuda",
                            repeats=repeats, warmup=warmup)

@@ -207,22 +207,31 @@ def bounds_lines(missed: list[str]) -> list[str]:
     return ["### What bounds the missed targets", ""] + [f"- **{kind}**: {BOUNDS[kind]}" for kind in kinds] + [""]
 
 
-def shared_machine(load_before, load_after) -> str:
-    """How loaded the machine was while the bench ran, when other work shared its cores; "" when it was quiet."""
+def shared_machine(load_before, load_after, threshold: float | None = None) -> str:
+    """How loaded the machine was while the bench ran, when other work shared its cores; "" when it was quiet.
+
+    Quiet is a 1-minute load average under ``threshold``: by default 1.5 x torch's threads (the bench's own load).
+    """
     load = max(load_before[0], load_after[0])
-    if load < 1.5 * torch.get_num_threads():
+    if load < (1.5 * torch.get_num_threads() if threshold is None else threshold):
         return ""
     return f"Other work shared this machine (load average up to {load:.1f} on {os.cpu_count()} cores)"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+        if found:
+            return found.group(1)
+    return platform.processor() or platform.machine()
 
 
 def header(load_before, load_after, seconds: float, command: str, repeats: int, warmup: int,
            cpu_time: bool) -> list[str]:
     """The page's first lines: the command, the machine and how loaded it was, how times and memory were taken."""
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-        cpu = found.group(1) if found else cpu
+    cpu = cpu_name()
     clock = ("process CPU time (the work done; waiting for a core shared with other processes is not counted)"
              if cpu_time else "wall time")
     return [
