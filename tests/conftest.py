@@ -2,6 +2,7 @@ import contextlib
 import importlib
 import io
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,12 @@ def pythonpath(test_file: str) -> str:
     one (the helpers it imports) and the caller's own."""
     folders = [str(Path(test_file).parent), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]
     return os.pathsep.join(folder for folder in folders if folder)
+
+
+def ctrl_c_restored() -> None:
+    """A child's ``preexec_fn``: SIGINT back to its default. A job started in the background (``bash .ci/run &``,
+    ``nohup``) ignores SIGINT, and so would the ``moh`` run a test stops with it, as such a run rightly does."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def pytest_collection_modifyitems(items) -> None:

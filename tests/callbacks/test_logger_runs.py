@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import pythonpath
+from conftest import ctrl_c_restored, pythonpath
 from lightning.pytorch import Callback
 from wandb_records import history
 
@@ -56,11 +56,10 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:
     # inherited from an earlier test here would still hold the killed run's id when the run is continued.
     env = {**{key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"},
            "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads()), "WANDB_SILENT": "true"}
-    # A process started in the background ignores SIGINT, and its children would too: Ctrl-C is restored for it.
     run = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *ARGS, *logger,
                             "--trainer.callbacks+=test_logger_runs.PauseInStep5"], cwd=folder, env=env,
                            stdout=open(folder / "out.txt", "w"), stderr=open(folder / "err.txt", "w"),
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                           preexec_fn=ctrl_c_restored)
     deadline = time.monotonic() + 300
     while not (folder / "paused").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

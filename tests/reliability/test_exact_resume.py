@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import pythonpath, run_checkpoints
+from conftest import ctrl_c_restored, pythonpath, run_checkpoints
 from faults import CrashAtStep, CrashInValidation
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EMAWeightAveraging
@@ -274,7 +274,7 @@ def _moh(folder: Path, *args: str) -> subprocess.Popen:
     folder.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     return subprocess.Popen([MOH, "fit", *VIT, *args], cwd=folder, env=env, stdout=open(folder / "out.txt", "w"),
-                            stderr=open(folder / "err.txt", "w"), start_new_session=True)
+                            stderr=open(folder / "err.txt", "w"), start_new_session=True, preexec_fn=ctrl_c_restored)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda stop: stop.name)
