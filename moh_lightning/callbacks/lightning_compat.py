@@ -9,6 +9,8 @@ pyproject.toml caps Lightning at the versions that test has passed on.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +30,7 @@ PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
     "lightning.pytorch.loops.fit_loop._FitLoop._load_combined_loader_states",
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_check_val_fx",
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._should_accumulate",
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._batches_that_stepped",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._should_skip_saving_checkpoint",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._monitor_candidates",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._save_topk_checkpoint",
@@ -99,6 +102,23 @@ def train_loader_states(checkpoint: dict[str, Any]) -> list | None:
 def set_train_loader_states(checkpoint: dict[str, Any], states: list) -> None:
     """Replaces the train loaders' states in a loaded checkpoint dict, before Lightning restores the loops from it."""
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+
+
+def logging_step(trainer: Trainer) -> int:
+    """The step Lightning logs training metrics at: the optimizer steps counted so far (``_batches_that_stepped``),
+    which it counts for a batch only after the batch's validation."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+@contextmanager
+def logging_step_as(trainer: Trainer, step: int) -> Iterator[None]:
+    """``logging_step`` set to ``step`` for what runs inside (a checkpoint written then keeps it), then restored."""
+    loop = trainer.fit_loop.epoch_loop
+    kept, loop._batches_that_stepped = loop._batches_that_stepped, step
+    try:
+        yield
+    finally:
+        loop._batches_that_stepped = kept
 
 
 def request_stop(trainer: Trainer) -> None:

@@ -41,15 +41,20 @@ class StepCheckpoint(ModelCheckpoint):
                              f"be at least 1.")
         super().__init__(dirpath=dirpath, filename="{step:07d}", monitor="step", mode="max", save_top_k=keep,
                          every_n_train_steps=every_n_train_steps, save_last=True, enable_version_counter=False)
+        self._logging_step: int | None = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._logging_step = compat.logging_step(trainer)
         if _sigterm_received(trainer):
             self._save_if_due(trainer, stopping=True)
         # When a validation follows this batch, save after it instead: resuming from a checkpoint written before
         # it, Lightning skips that validation, so a run killed during it would never log it.
         elif not compat.validation_follows_batch(trainer):
             self._save_if_due(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._logging_step = None  # Lightning's checkpoints at an epoch's end hold the count with its last batch
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
@@ -83,7 +88,12 @@ class StepCheckpoint(ModelCheckpoint):
         # process. Under DDP the ranks may be at different points here, and saving gathers from all of them.
         if trainer.world_size == 1 and not compat.skips_saving(self, trainer) \
                 and not compat.accumulates_gradients(trainer):
-            compat.save_last(self, trainer)
+            # A signal heard after the validation has ended comes after Lightning counted the step for its loggers;
+            # its checkpoints within an epoch hold the count before that, and a resumed run adds it: written with
+            # the count the step ended with, or the resumed run would log every later step one step late.
+            step = self._logging_step if self._logging_step is not None else compat.logging_step(trainer)
+            with compat.logging_step_as(trainer, step):
+                compat.save_last(self, trainer)
         saved, stopped_by = compat.last_saved_step(self), stop_signal()
         if saved == trainer.global_step and self.last_model_path:
             message = (f"moh: stopped by {stopped_by.name} after step {saved}; saved {self.last_model_path}. Continue "
@@ -184,6 +194,9 @@ class ExactResumeCallback(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._before_validation = _rng_states()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._logging_step = None  # Lightning's checkpoints at an epoch's end hold the count with its last batch
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A run resumed from a checkpoint written at the end of a batch skips the validation that followed it:

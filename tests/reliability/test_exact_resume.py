@@ -92,20 +92,33 @@ class SignalWindow(Callback):
 
 
 class SigtermInValidation(Callback):
-    """Sends its own process SIGTERM during the first batch of the validation after step ``step``.
+    """Sends its own process SIGTERM in the validation after step ``step``: after its first batch (``at="batch"``:
+    Lightning stops it there) or once it has ended (``"end"``: Lightning has counted the step for its loggers), and
+    waits until the watchdog thread has heard it, which would otherwise happen at any point after.
 
     Every validation batch also draws from the global random streams, as DiT's validation (noise, timesteps) does.
     """
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, at: str = "batch") -> None:
+        self.step, self.at = step, at
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
         torch.rand(3), random.random(), np.random.rand()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
-        if trainer.global_step == self.step and batch_idx == 0 and not trainer.sanity_checking:
+        if self.at == "batch" and batch_idx == 0:
+            self._stop(trainer)
+
+    def on_validation_end(self, trainer, pl_module):
+        if self.at == "end":
+            self._stop(trainer)
+
+    def _stop(self, trainer) -> None:
+        if trainer.global_step == self.step and not trainer.sanity_checking:
             os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not trainer.received_sigterm and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 class KillAtStep(Callback):
@@ -302,13 +315,16 @@ def test_a_stop_signal_saves_at_the_step_boundary_exits_non_zero_and_resumes_exa
     _assert_same_run(uninterrupted, folder)
 
 
-def test_sigterm_during_a_validation_saves_the_step_before_it_and_resumes_exactly(uninterrupted, tmp_path):
+@pytest.mark.parametrize("at", ["batch", "end"])
+def test_sigterm_during_a_validation_saves_the_step_before_it_and_resumes_exactly(at, uninterrupted, tmp_path):
+    """Heard in the validation's first batch, or after its last (before, a resumed run then logged every later step
+    one step late: the checkpoint held Lightning's count of logged steps after this step's)."""
     folder = tmp_path / "sigterm_in_validation"
     validation = ["--trainer.limit_val_batches=2", "--trainer.val_check_interval=2",
                   "--trainer.check_val_every_n_epoch=null"]
     with pytest.raises(SystemExit) as stop:
         _fit(folder, *validation, "--trainer.callbacks+=test_exact_resume.SigtermInValidation",
-             "--trainer.callbacks.step=4")
+             "--trainer.callbacks.step=4", f"--trainer.callbacks.at={at}")
     assert stop.value.code == 143
     assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 4
     _fit(folder, *validation, "--ckpt_path", "last")
