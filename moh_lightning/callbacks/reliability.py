@@ -195,9 +195,6 @@ class ExactResumeCallback(Callback):
         if trainer.state.fn == TrainerFn.FITTING:
             self._before_validation = _rng_states()
 
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._logging_step = None  # Lightning's checkpoints at an epoch's end hold the count with its last batch
-
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A run resumed from a checkpoint written at the end of a batch skips the validation that followed it:
         # Lightning fast-forwards that validation, creating its loader's iterator (which draws a seed) but running
