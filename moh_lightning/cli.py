@@ -10,8 +10,10 @@ lists every command with the first sentence of its docstring.
 """
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -446,11 +448,20 @@ def _first_sentence(doc: str | None) -> str:
     return sentence.replace("``", "`") + "."
 
 
+def _tool_doc(name: str) -> str | None:
+    """The tool function's docstring, read from its module's source: importing the tools (lm-eval, Ray, torch's
+    benchmark module) would add seconds and third-party warnings to ``moh --help``."""
+    module, _, function = TOOLS[name].partition(":")
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    return next(ast.get_docstring(node) for node in tree.body
+                if isinstance(node, ast.FunctionDef) and node.name == function)
+
+
 def commands_help() -> str:
     """What ``moh --help`` prints: every command with the first sentence of its docstring, the Trainer method's or
-    the tool function's (importing every tool for it takes a fraction of a second, next to seconds for Lightning)."""
+    the tool function's."""
     loops = {name: getattr(Trainer, name).__doc__ for name in LightningCLI.subcommands()}
-    tools = {name: _tool(name).__doc__ for name in TOOLS}
+    tools = {name: _tool_doc(name) for name in TOOLS}
     width = max(map(len, commands()))
     return "\n".join([
         "usage: moh <command> [--config NAME] [--key value ...]", "",

@@ -6,9 +6,12 @@ bound, no Lightning.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import DDPMScheduler
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler
 
 
 def _mean_flat(x: torch.Tensor) -> torch.Tensor:

@@ -9,18 +9,19 @@ loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler
-from diffusers.training_utils import compute_snr
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.models.dit import DiT, DiTConfig, load_dense_dit_weights
 from moh_lightning.tasks.base import MoHTask, init_from_option
+
+if TYPE_CHECKING:
+    from diffusers import DDIMScheduler, DDPMScheduler
 
 Sampler = Literal["ddpm", "ddim"]
 BetaSchedule = Literal["linear", "squaredcos_cap_v2"]
@@ -101,6 +102,9 @@ class ClassConditionalDiffusion(MoHTask):
         if cfg_channels is not None and not 1 <= cfg_channels <= self.model.in_chans:
             raise ValueError(f"cfg_channels={cfg_channels} must be between 1 and the model's "
                              f"{self.model.in_chans} channels, or null to guide all.")
+        # diffusers is imported where a DiT needs it: at the top it cost every `moh` command (ViT, LLM) a second.
+        from diffusers import DDPMScheduler
+
         self.noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                                              beta_start=beta_start, beta_end=beta_end, clip_sample=False)
         self.criterion = GaussianDiffusionLoss(self.noise_scheduler)
@@ -123,6 +127,8 @@ class ClassConditionalDiffusion(MoHTask):
         x_t = self.noise_scheduler.add_noise(x0, noise, t)
         losses = self.criterion(self.model(x_t, t, y), x0, x_t, t, noise)
         if self.hparams.snr_gamma is not None:
+            from diffusers.training_utils import compute_snr
+
             snr = compute_snr(self.noise_scheduler, t)
             weight = snr.clamp(max=self.hparams.snr_gamma) / snr
             losses["loss"] = weight * losses["mse"] + losses["vb"]
@@ -157,12 +163,15 @@ class ClassConditionalDiffusion(MoHTask):
         schedule = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def sampling_scheduler(self, sampler: Sampler | None = None, steps: int | None = None):
+    def sampling_scheduler(self, sampler: Sampler | None = None,
+                           steps: int | None = None) -> DDPMScheduler | DDIMScheduler:
         """A diffusers scheduler over ``steps`` timesteps of the training schedule, spaced as ADM / DiT space them.
 
         DDPM respacing takes ``round(linspace(0, T - 1, steps))`` (ADM's ``space_timesteps``, e.g. "250"); DDIM takes
         every (T // steps)-th step from 0 (ADM's "ddim50": 0, 20, ..., 980), diffusers' "leading" spacing.
         """
+        from diffusers import DDIMScheduler, DDPMScheduler
+
         sampler = sampler or self.hparams.sampler
         steps = steps or self.hparams.sample_steps
         common = dict(num_train_timesteps=self.criterion.num_timesteps, beta_schedule=self.hparams.beta_schedule,
@@ -186,6 +195,8 @@ class ClassConditionalDiffusion(MoHTask):
         """Samples (B, C, H, W) in the model's space (pixels in [-1, 1] or scaled latents) for ``labels`` (B,)."""
         cfg_scale = self.hparams.cfg_scale if cfg_scale is None else cfg_scale
         scheduler = self.sampling_scheduler(sampler, steps)
+        # DDPM's learned-range step reads the model's variance channels; every other step takes eps alone.
+        predicts_sigma = scheduler.config.get("variance_type") == "learned_range"
         was_training = self.model.training
         self.model.eval()
         labels = labels.to(self.device)
@@ -197,7 +208,7 @@ class ClassConditionalDiffusion(MoHTask):
                 out = self.model.forward_with_cfg(x, t_batch, labels, cfg_scale, self.hparams.get("cfg_channels"))
             else:
                 out = self.model(x, t_batch, labels)
-            if isinstance(scheduler, DDIMScheduler):
+            if not predicts_sigma:
                 out = out[:, :channels]
             x = scheduler.step(out, t, x, generator=generator).prev_sample
         self.model.train(was_training)

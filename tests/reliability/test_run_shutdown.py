@@ -89,6 +89,12 @@ def _wait_for(path: Path, run: subprocess.Popen, seconds: float = 300) -> None:
         time.sleep(0.05)
 
 
+def _exit_code(run: subprocess.Popen, folder: Path, n: int, timeout: float) -> tuple[int, str]:
+    """The run's exit status, with the end of what it wrote to ``err<n>.txt`` for the assertion's message."""
+    code = run.wait(timeout=timeout)
+    return code, (folder / f"err{n}.txt").read_text()[-3000:]
+
+
 def _said(folder: Path, n: int = 0) -> list[str]:
     return [line for line in (folder / f"err{n}.txt").read_text().splitlines() if line.startswith("moh: ")]
 
@@ -166,14 +172,18 @@ def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
 
 def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_path):
     expected = tmp_path / "uninterrupted"
-    assert [node.wait(timeout=600) for node in _two_nodes(runs, expected)] == [0, 0]
+    for n, node in enumerate(_two_nodes(runs, expected)):
+        code, err = _exit_code(node, expected, n, timeout=600)
+        assert code == 0, err
 
     folder = tmp_path / "lost"
     survivor, lost = _two_nodes(runs, folder, "--trainer.callbacks+=faults.KillNodeAtStep",
                                 "--trainer.callbacks.step=5")
-    assert lost.wait(timeout=600) == -signal.SIGKILL  # node 1, loader workers and all, before step 5
+    code, err = _exit_code(lost, folder, 1, timeout=600)
+    assert code == -signal.SIGKILL, err  # node 1, loader workers and all, before step 5
     killed = time.monotonic()
-    assert survivor.wait(timeout=120) == 1
+    code, err = _exit_code(survivor, folder, 0, timeout=120)
+    assert code == 1, err
     assert time.monotonic() - killed < 30  # its next collective fails at once; 5 s for the others' reports
     said = _said(folder)
     # gloo's words for the closed connection vary ("Connection closed by peer", "Read error ...: Connection reset").
@@ -183,7 +193,9 @@ def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_p
            f"newest checkpoint is {LAST} (step 3)." in said[0]
     runs.assert_none_left()
 
-    assert [node.wait(timeout=600) for node in _two_nodes(runs, folder, "--ckpt_path", "last")] == [0, 0]
+    for n, node in enumerate(_two_nodes(runs, folder, "--ckpt_path", "last"), start=2):
+        code, err = _exit_code(node, folder, n, timeout=600)
+        assert code == 0, err
     _assert_same_run(expected, folder)
     assert f"Restoring states from the checkpoint path at {LAST}" in (folder / "err2.txt").read_text()
     runs.assert_none_left()
