@@ -42,12 +42,15 @@ LOGGERS = {
 
 
 class PauseInStep5(Callback):
-    """Writes ``paused`` when step 5 starts (after the step-3 checkpoint) and waits there 5 s for a signal."""
+    """Writes ``paused`` when step 5 starts (after the step-3 checkpoint) and waits there, up to 30 s, until the run's
+    watchdog has heard a stop signal."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == 4:
             Path("paused").touch()
-            time.sleep(5)
+            deadline = time.monotonic() + 30
+            while not trainer.received_sigterm and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:

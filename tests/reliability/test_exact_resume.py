@@ -83,12 +83,15 @@ class RecordBatches(Callback):
 
 
 class SignalWindow(Callback):
-    """Writes ``in_step_4`` when step 4 starts and lingers there 2 s: a window for a signal sent from outside."""
+    """Writes ``in_step_4`` when step 4 starts and lingers there, up to 30 s, until the run's watchdog has heard a
+    signal sent from outside."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == 3:
             Path("in_step_4").touch()
-            time.sleep(2)
+            deadline = time.monotonic() + 30
+            while not trainer.received_sigterm and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 class SigtermInValidation(Callback):

@@ -139,7 +139,7 @@ def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, t
 
 
 def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_path):
-    timeout = 15
+    timeout = 10
     run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.collective_timeout={timeout}", "--shutdown.grace_period=5")
     _wait_for(tmp_path / "at_step_4_rank0", run)
     started = time.monotonic()
