@@ -18,10 +18,13 @@ from dataclasses import dataclass
 import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from moh_lightning.layers import MoHHeads
 from moh_lightning.layers.execution import runs_head_sparse
+from moh_lightning.tasks.base import MoHTask
 
 _aten = torch.ops.aten
 # The compute dtype of each Trainer precision, for the device's peak FLOP/s.
@@ -73,17 +76,24 @@ class SampleFlops:
     tokens: int
 
 
-def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
-    """Count ``SampleFlops`` on the task's ``example_input_array`` (one sample); None when the task gives none (or
-    runs under FSDP, where a forward on one rank would wait for the others' shards).
+def sample_flops(pl_module: LightningModule, root: nn.Module | None = None) -> SampleFlops | None:
+    """Count ``SampleFlops`` on one sample of the training shape (the task's ``example_input``, or any module's
+    ``example_input_array``); None when the task gives none.
 
-    Run eagerly even when the model is compiled, so that the one-sample count costs no compilation.
+    ``root`` is the module the strategy runs, when it must run the forward itself: an FSDP root gathers each shard
+    of its parameters for the forward (every rank counts at once, as training calls it). Run eagerly even when the
+    model is compiled, so that the one-sample count costs no compilation.
     """
-    example = getattr(pl_module, "example_input_array", None)
+    # The task's own method: its example_input_array is None under FSDP, where Lightning's summary would run the
+    # forward on rank 0 alone.
+    example = pl_module.example_input() if isinstance(pl_module, MoHTask) else pl_module.example_input_array
     if example is None:
         return None
     example = tuple(t.to(pl_module.device) for t in (example if isinstance(example, tuple) else (example,)))
+    root = pl_module if root is None else root
     layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoHHeads)}
+    # The counter names a module by the path from the module called first, under that one's class name.
+    counted = {m: f"{type(root).__name__}.{name}" for name, m in root.named_modules()}
     lengths: dict[str, int] = {}
 
     def record_length(module: MoHHeads, args: tuple) -> None:
@@ -100,7 +110,7 @@ def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), FlopCounterMode(display=False) as counter, \
                 torch.compiler.set_stance("force_eager"):
-            out = pl_module(*example)
+            out = root(*example)
             (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     finally:
         for name, m in layers.items():
@@ -114,7 +124,7 @@ def sample_flops(pl_module: LightningModule) -> SampleFlops | None:
     dense = computed = float(counter.get_total_flops())
     device = pl_module.device.type
     for name, layer in layers.items():
-        per_op = counts.get(f"{type(pl_module).__name__}.{name}", {})       # the counter's name of the layer
+        per_op = counts.get(counted[layer], {})
         core = float(sum(flops for op, flops in per_op.items() if "scaled_dot_product" in str(op)))
         causal = 0.5 if layer.causal else 1.0
         share = 1.0
@@ -144,6 +154,8 @@ class MoHThroughputMonitor(Callback):
 
     def __init__(self, available_flops: float | None = None, window_size: int = 100) -> None:
         super().__init__()
+        if window_size < 2:  # Lightning's meter asserts it
+            raise ValueError(f"throughput.window_size={window_size}: the rates average over at least 2 batches.")
         self.available_flops = available_flops
         self.window_size = window_size
         self.flops: SampleFlops | None = None
@@ -155,7 +167,8 @@ class MoHThroughputMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Counted on every rank: the one-sample forward in training mode reaches the load-balance loss's all-reduce
         # under DDP, where rank 0 alone would wait for the others.
-        self.flops = sample_flops(pl_module)
+        model = trainer.strategy.model
+        self.flops = sample_flops(pl_module, model if isinstance(model, FullyShardedDataParallel) else None)
         if not trainer.is_global_zero:
             return
         available = self.available_flops

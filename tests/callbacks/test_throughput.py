@@ -97,3 +97,8 @@ def test_mfu_uses_each_gpus_dense_peak(monkeypatch, name, dtype, expected):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda"), dtype) == pytest.approx(expected)
     assert peak_flops(torch.device("cpu"), dtype) is None
+
+
+def test_a_window_of_one_batch_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"^throughput.window_size=1: "):
+        MoHThroughputMonitor(window_size=1)

@@ -25,6 +25,7 @@ from tiny_models import dit_t4_config, tiny_llama_config
 from torch import nn
 
 from moh_lightning.callbacks.sample_grid import SampleGridCallback
+from moh_lightning.callbacks.throughput import sample_flops
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import MoHLlama
 from moh_lightning.models.vit import ViTConfig, create_vit
@@ -110,7 +111,7 @@ def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(t
     if task == "language_model":
         _write_text_corpus(run_dir / "corpus")
     result = _moh_fit(run_dir, config, [*overrides, f"--trainer.gradient_clip_val={CLIP}",
-                                        "--trainer.callbacks+=test_fsdp.FSDPProbe"])
+                                        "--trainer.callbacks+=test_fsdp.FSDPProbe", "--throughput.window_size=2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Starting with 2 processes" in result.stdout + result.stderr
     probes = [json.loads((run_dir / f"probe{rank}.json").read_text()) for rank in (0, 1)]
@@ -140,6 +141,12 @@ def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(t
     losses = _logged_scalars(run, "train/loss")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert all(math.isfinite(v) for v in _logged_scalars(run, "val/loss"))
+    # The throughput meter counts a sample's FLOPs through the FSDP root on every rank: the same count as the
+    # unsharded model's on one process (before, under FSDP it counted none, and logged no FLOP/s nor MFU).
+    flops = _logged_scalars(run, "throughput/flops_per_sec_dense")
+    samples = _logged_scalars(run, "throughput/samples_per_sec")
+    assert len(flops) == 2 and [f / n for f, n in zip(flops, samples, strict=True)] == \
+        pytest.approx([sample_flops(loaded).dense] * 2, rel=1e-4)
 
 
 @pytest.mark.parametrize("callback", [EMAWeightAveraging(), SampleGridCallback()], ids=lambda c: type(c).__name__)
