@@ -91,9 +91,7 @@ def sample_flops(pl_module: LightningModule, root: nn.Module | None = None) -> S
         return None
     example = tuple(t.to(pl_module.device) for t in (example if isinstance(example, tuple) else (example,)))
     root = pl_module if root is None else root
-    layers = {name: m for name, m in pl_module.named_modules() if isinstance(m, MoHHeads)}
-    # The counter names a module by the path from the module called first, under that one's class name.
-    counted = {m: f"{type(root).__name__}.{name}" for name, m in root.named_modules()}
+    layers = {name: m for name, m in root.named_modules() if isinstance(m, MoHHeads)}
     lengths: dict[str, int] = {}
 
     def record_length(module: MoHHeads, args: tuple) -> None:
@@ -124,7 +122,7 @@ def sample_flops(pl_module: LightningModule, root: nn.Module | None = None) -> S
     dense = computed = float(counter.get_total_flops())
     device = pl_module.device.type
     for name, layer in layers.items():
-        per_op = counts.get(counted[layer], {})
+        per_op = counts.get(f"{type(root).__name__}.{name}", {})  # the counter's name: the path from the root
         core = float(sum(flops for op, flops in per_op.items() if "scaled_dot_product" in str(op)))
         causal = 0.5 if layer.causal else 1.0
         share = 1.0
