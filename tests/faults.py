@@ -7,6 +7,14 @@ from pathlib import Path
 from lightning.pytorch import Callback
 
 
+def wait_until_the_stop_is_heard(trainer, seconds: float) -> None:
+    """Holds the current step until the run's watchdog thread has heard a stop signal (at most ``seconds``): the
+    signal then comes inside this step, wherever the thread happens to be scheduled."""
+    deadline = time.monotonic() + seconds
+    while not trainer.received_sigterm and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class CrashAtStep(Callback):
     """Raises before training step ``step``, as a crash or kill mid-epoch would stop the run."""
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ctrl_c_restored, pythonpath
+from faults import wait_until_the_stop_is_heard
 from lightning.pytorch import Callback
 from wandb_records import history
 
@@ -48,9 +49,7 @@ class PauseInStep5(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == 4:
             Path("paused").touch()
-            deadline = time.monotonic() + 30
-            while not trainer.received_sigterm and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until_the_stop_is_heard(trainer, seconds=30)
 
 
 def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:

@@ -33,7 +33,7 @@ import pytest
 import torch
 import yaml
 from conftest import ctrl_c_restored, pythonpath, run_checkpoints
-from faults import CrashAtStep, CrashInValidation
+from faults import CrashAtStep, CrashInValidation, wait_until_the_stop_is_heard
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -89,9 +89,7 @@ class SignalWindow(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == 3:
             Path("in_step_4").touch()
-            deadline = time.monotonic() + 30
-            while not trainer.received_sigterm and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until_the_stop_is_heard(trainer, seconds=30)
 
 
 class SigtermInValidation(Callback):
@@ -119,9 +117,7 @@ class SigtermInValidation(Callback):
     def _stop(self, trainer) -> None:
         if trainer.global_step == self.step and not trainer.sanity_checking:
             os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while not trainer.received_sigterm and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until_the_stop_is_heard(trainer, seconds=10)
 
 
 class KillAtStep(Callback):
