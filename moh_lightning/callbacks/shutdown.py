@@ -84,7 +84,7 @@ class RunShutdown(Callback):
         if trainer.world_size > 1 and dist.is_initialized():
             self._store = _run_store()
             if _WATCH is not None:
-                _WATCH.store = _run_store()  # a client of its own: the thread polls while this one reports
+                _WATCH.watch_store(_run_store())  # a client of its own: the thread polls while this one reports
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _take_back_sigterm(trainer)
@@ -205,7 +205,7 @@ class _Watch:
         signal.set_wakeup_fd(self._wakeup)
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
-        os.write(self._write, b"\0")  # wakes the thread, which then returns
+        self._wake()  # the thread then returns
         self._thread.join()
         os.close(self._read)
         os.close(self._write)
@@ -225,15 +225,29 @@ class _Watch:
     def end_within_grace_period(self) -> None:
         margin = _LAUNCHER_MARGIN_S if self.launches_only else 0.0
         self.deadline = time.monotonic() + self.grace_period + margin
+        self._wake()
+
+    def watch_store(self, store: dist.Store) -> None:
+        """Polls ``store`` every few seconds from now on, for a run that ended on another rank."""
+        self.store = store
+        self._wake()
+
+    def _wake(self) -> None:
+        """Makes the thread recompute when it wakes next (it may sleep with no timeout)."""
+        with suppress(OSError):  # a full pipe already wakes it; a closed one has no thread left
+            os.write(self._write, b"\0")
 
     def _watch(self) -> None:
         next_poll = time.monotonic() + _POLL_S
         while True:
             stopping_ranks = self.launches_only and self.heard_at is not None
-            wake = min(next_poll, self.deadline or next_poll)
+            # Without a store (one process) nothing is polled: the thread sleeps in select until a signal, a
+            # deadline or close() wakes it. A wake time left in the past would turn select into a busy spin.
+            wakes = [at for at in (next_poll if self.store is not None else None, self.deadline) if at is not None]
             if stopping_ranks:
-                wake = min(wake, time.monotonic() + 0.2)
-            ready, _, _ = select.select([self._read], [], [], max(wake - time.monotonic(), 0.0))
+                wakes.append(time.monotonic() + 0.2)
+            timeout = max(min(wakes) - time.monotonic(), 0.0) if wakes else None
+            ready, _, _ = select.select([self._read], [], [], timeout)
             if self._closing:
                 return
             if stopping_ranks and not _alive(psutil.Process().children(recursive=True)):

@@ -25,9 +25,11 @@ from conftest import pythonpath
 from lightning.pytorch.strategies import DDPStrategy
 from test_checkpoint_files import _load
 from test_exact_resume import RUN, VIT, _assert_same_run
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
 from moh_lightning.callbacks import RunShutdown
+from moh_lightning.callbacks import shutdown as watchdog
 from moh_lightning.callbacks.lightning_compat import collective_timeout
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -209,3 +211,25 @@ def test_collectives_are_bounded_unless_the_strategy_has_a_timeout_of_its_own():
     assert collective_timeout(default) == timedelta(seconds=90) and collective_timeout(own) == timedelta(hours=2)
     with pytest.raises(ValueError, match="grace_period=0"):
         RunShutdown(grace_period=0)
+
+
+@pytest.mark.parametrize("with_store", [False, True], ids=["one process", "with a run store"])
+def test_the_watchdog_idles_at_zero_cpu(monkeypatch, with_store):
+    # Past its first poll time a watchdog without a store once busy-spun in select (every `moh fit` ran ~3x slower).
+    # A short poll interval puts the test past several poll times within seconds.
+    monkeypatch.setattr(watchdog, "_POLL_S", 0.2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=None), interrupted=False)
+    watch = watchdog._Watch(trainer, grace_period=20.0)
+    try:
+        if with_store:
+            with socket.socket() as free:
+                free.bind(("127.0.0.1", 0))
+                port = free.getsockname()[1]
+            server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            watch.watch_store(PrefixStore("moh_lightning/shutdown/", server))
+        before = time.process_time()  # this process's CPU time, all threads: the main thread only sleeps
+        time.sleep(3.0)
+        used = time.process_time() - before
+    finally:
+        watch.close()
+    assert used < 0.15, f"the watchdog used {used:.2f} CPU seconds in 3 s of waiting"
