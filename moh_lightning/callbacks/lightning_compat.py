@@ -41,6 +41,7 @@ PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
     "lightning.pytorch.trainer.trainer.Trainer._signal_connector",
     "lightning.pytorch.trainer.call._interrupt",
     "lightning.pytorch.strategies.ddp.DDPStrategy._timeout",
+    "lightning.pytorch.trainer.trainer.Trainer._logger_connector",
 )
 
 
@@ -110,6 +111,12 @@ def logging_step(trainer: Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def logs_this_step(trainer: Trainer) -> bool:
+    """Whether Lightning hands the loggers this training step's metrics (every ``log_every_n_steps`` steps, and at a
+    stop): the steps at which a callback may read the device without making the host wait on it more often."""
+    return trainer._logger_connector.should_update_logs
+
+
 @contextmanager
 def logging_step_as(trainer: Trainer, step: int) -> Iterator[None]:
     """``logging_step`` set to ``step`` for what runs inside (a checkpoint written then keeps it), then restored."""
@@ -143,14 +150,18 @@ def set_collective_timeout(strategy: Strategy, timeout: timedelta) -> None:
 
 
 class MoHRichProgressBar(RichProgressBar):
-    """Lightning's Rich progress bar, with the run's progress where its length is a number of steps, and without the
-    logger's version number among the metrics.
+    """Lightning's Rich progress bar, with the run's progress where its length is a number of steps, without the
+    logger's version number among the metrics, and with the metrics read at the logging steps only.
 
     Where epochs are unlimited (``max_epochs: -1``) and ``max_steps`` ends training (the DiT configs, a language
     model's token budget), Lightning 2.6 counts the batches of the current epoch ("Epoch 12 120/282" of a
     10,000-step run) and labels it "Epoch 12/-2" (2.7: "Epoch 12", PR 21924); this bar counts the run's optimizer steps
     against ``max_steps`` ("Epoch 12, step 3504/10000"), from where a resumed run starts.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shown_metrics: dict[str, Any] = {}  # the metrics of the last logging step
 
     def counts_steps(self) -> bool:
         """Whether ``max_steps`` ends the run (epochs unlimited): the bar then counts steps, not an epoch's batches."""
@@ -182,7 +193,16 @@ class MoHRichProgressBar(RichProgressBar):
             self.progress.update(self.train_progress_bar_id, completed=trainer.global_step)
 
     def get_metrics(self, trainer: Trainer, pl_module) -> dict[str, Any]:
+        # Reading the logged values waits for the device (each tensor's .item()): during training they are read at
+        # the logging steps only, as the loggers read them, and the bar shows those until the next one.
+        if trainer.training and not logs_this_step(trainer):
+            return self.shown_metrics
         # The logger's version ("v_num: 0") is the run folder's number, which the run's first line and summary name.
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        if trainer.training:
+            logged = trainer.callback_metrics
+            metrics.update({name: float(logged[name]) for name in getattr(pl_module, "progress_bar_train_metrics", ())
+                            if name in logged})
+            self.shown_metrics = metrics
         return metrics

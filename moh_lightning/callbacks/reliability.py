@@ -225,19 +225,67 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
 
 class FiniteLossGuard(Callback):
-    """Stops training with an error naming the step when the training loss is NaN or infinite.
+    """Stops training with an error naming the step when the training loss was NaN or infinite.
 
-    Checked before the backward pass, so neither the weights in memory nor any checkpoint written afterwards
-    holds the bad update: the newest checkpoint on disk is the last good one. All ranks take the same decision,
-    so a non-finite loss on one rank stops every rank rather than leaving them waiting in an all-reduce.
+    Nothing in a step waits for the device: each step's loss is checked on the device into a flag (the first
+    non-finite step and its loss), which the host reads, and the ranks combine, only where the run reads the device
+    anyway: at the logging steps (``log_every_n_steps``), before any checkpoint is written, before a validation and at
+    the end of training. A checkpoint is never written once a loss was non-finite, so the newest checkpoint on disk is
+    the last good one; every rank stops at the same step. The weights in memory may hold the bad update (and the
+    steps after it, up to the next check): the run stops, and continues from that checkpoint.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._first_bad: torch.Tensor | None = None  # () int64: the first non-finite step, -1 while none
+        self._bad_loss: torch.Tensor | None = None   # () float32: its loss
+        self._positions: dict[int, tuple[int, int]] = {}  # step -> (epoch, batch), since the last check
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_bad = self._bad_loss = None
+        self._positions = {}
+
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        finite = bool(torch.isfinite(loss.detach()).all())
-        if trainer.strategy.reduce_boolean_decision(finite, all=True):
+        total = loss.detach().float().sum()  # non-finite when any element is
+        if self._first_bad is None:
+            self._first_bad = torch.full((), -1, dtype=torch.int64, device=total.device)
+            self._bad_loss = torch.zeros((), device=total.device)
+        first = ~torch.isfinite(total) & (self._first_bad < 0)
+        self._first_bad = torch.where(first, trainer.global_step, self._first_bad)
+        self._bad_loss = torch.where(first, total, self._bad_loss)
+        self._positions[trainer.global_step] = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if compat.logs_this_step(trainer):
+            self.check(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.check(trainer)  # raising here, before the file is written, keeps a bad update off the disk
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: Trainer) -> None:
+        """Raises ``FloatingPointError`` on every rank when a loss was non-finite on any rank since training started."""
+        if self._first_bad is None:
             return
-        value = "non-finite on another rank" if finite else loss.detach().float().item()
+        none = torch.iinfo(torch.int64).max
+        pending = torch.where(self._first_bad < 0, none, self._first_bad)
+        step = int(trainer.strategy.reduce(pending, reduce_op="min"))  # the one read of the device, and collective
+        if step == none:
+            self._positions.clear()
+            return
+        if int(self._first_bad) == step:
+            epoch, batch = self._positions.get(step, (trainer.current_epoch, None))
+            what = f"{float(self._bad_loss)} at step {step} (epoch {epoch}, batch {batch})"
+        else:
+            what = f"non-finite on another rank at step {step}"
         raise FloatingPointError(
-            f"Training loss is {value} at step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
-            f"{trainer.fit_loop.epoch_loop.batch_idx}); the run stops and its newest checkpoint is the last good "
-            f"one. Resume from it with a lower learning rate or stronger gradient clipping, or check the data.")
+            f"Training loss is {what}; the run stops and its newest checkpoint is the last good one. Resume from it "
+            f"with a lower learning rate or stronger gradient clipping, or check the data.")

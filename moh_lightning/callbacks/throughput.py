@@ -183,7 +183,10 @@ class MoHThroughputMonitor(Callback):
                            ) -> None:
         if self._meters is None or not trainer.is_global_zero:
             return
-        if trainer.strategy.root_device.type == "cuda":
+        logs = trainer.global_step % trainer.log_every_n_steps == 0 and bool(trainer.loggers)
+        # Waiting for the device only where a rate is reported: between, the host's clock runs ahead of the device by
+        # the work it has queued (a few steps at most), which a window of batches averages out.
+        if logs and trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._start - self._paused
         self._samples += _batch_size(batch)
@@ -195,7 +198,7 @@ class MoHThroughputMonitor(Callback):
                                      (self.flops.dense, self.flops.computed), strict=True):
             meter.update(time=elapsed, batches=self._batches, samples=self._samples, lengths=tokens,
                          flops=None if per_sample is None else int(per_sample * samples_per_step))
-        if trainer.global_step % trainer.log_every_n_steps == 0 and trainer.loggers:
+        if logs:
             self._log(trainer)
 
     def _log(self, trainer: Trainer) -> None:

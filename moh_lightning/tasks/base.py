@@ -74,6 +74,9 @@ class MoHTask(LightningModule):
     head_load_group_name: str = "group"
     #: The metrics runs of this task are compared by (TensorBoard's HParams columns): only those it logs.
     hparam_metrics: tuple[str, ...] = ("val/loss",)
+    #: The training metrics the progress bar shows. Logged without ``prog_bar``, which Lightning reads from the device
+    #: after every batch; the suite's bar reads them at the logging steps only.
+    progress_bar_train_metrics: tuple[str, ...] = ("train/loss",)
     #: Keyword arguments of ``torch.compile`` when ``compile`` is on, e.g. ``{"mode": "max-autotune"}``.
     compile_kwargs: dict = {}
     #: Set by ``moh`` when this run restores a checkpoint (``--ckpt_path``): its weights replace ``init_from``'s, so

@@ -136,7 +136,7 @@ class ImageClassifier(MoHTask):
         task_loss = self.train_criterion(self(images), targets)
         loss = self.with_load_balance(task_loss)
         self.log("train/task_loss", task_loss)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:

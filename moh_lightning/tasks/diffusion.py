@@ -61,6 +61,7 @@ class ClassConditionalDiffusion(MoHTask):
     """
 
     head_load_group_name = "class"
+    progress_bar_train_metrics = ("train/loss", "train/mse", "train/vb")
 
     def __init__(
             self,
@@ -137,7 +138,7 @@ class ClassConditionalDiffusion(MoHTask):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         losses = self._diffusion_loss(batch)
         loss = self.with_load_balance(losses["loss"])
-        self.log_dict({"train/loss": loss, "train/mse": losses["mse"], "train/vb": losses["vb"]}, prog_bar=True)
+        self.log_dict({"train/loss": loss, "train/mse": losses["mse"], "train/vb": losses["vb"]})
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -193,7 +193,7 @@ class LanguageModel(MoHTask):
         # this is the last batch and writes `last` at its end.
         if self.tokens_seen >= self.hparams.max_tokens:
             self.trainer.should_stop = True
-        self.log("train/loss", lm_loss, prog_bar=True)
+        self.log("train/loss", lm_loss)
         self.log("train/ppl", lm_loss.exp())
         self.log("train/tokens", float(self.tokens_seen))
         return loss

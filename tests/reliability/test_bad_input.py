@@ -78,17 +78,21 @@ class Regression(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    model = Regression(nan_at=5)
-    trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      plugins=[AtomicCheckpointIO()],
-                      callbacks=[FiniteLossGuard(), StepCheckpoint(str(tmp_path), every_n_train_steps=2)])
-    with pytest.raises(FloatingPointError, match=r"Training loss is nan at step 5 \(epoch 0, batch 5\)"):
+@pytest.mark.parametrize("nan_at", [1, 5, 6, 9])
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, nan_at):
+    # The guard reads its flag at the logging steps (every 4) and before each checkpoint (every 3): a NaN anywhere
+    # between stops the run with the checkpoint from before it, and nothing written after it.
+    model = Regression(nan_at=nan_at)
+    trainer = Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      log_every_n_steps=4, plugins=[AtomicCheckpointIO()],
+                      callbacks=[FiniteLossGuard(), StepCheckpoint(str(tmp_path), every_n_train_steps=3, keep=10)])
+    with pytest.raises(FloatingPointError, match=rf"Training loss is nan at step {nan_at} \(epoch 0, batch {nan_at}\)"):
         trainer.fit(model)
-    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert last["global_step"] == 4
-    assert all(torch.isfinite(value).all() for value in last["state_dict"].values())
-    assert all(torch.isfinite(value).all() for value in model.state_dict().values())
+    good = nan_at // 3 * 3
+    written = sorted(torch.load(path, weights_only=False)["global_step"] for path in tmp_path.glob("*.ckpt"))
+    assert written[-1] == good if good else not written
+    for path in tmp_path.glob("*.ckpt"):
+        assert all(torch.isfinite(value).all() for value in torch.load(path, weights_only=False)["state_dict"].values())
 
 
 class StarvedHeads(LightningModule):
