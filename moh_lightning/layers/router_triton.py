@@ -126,9 +126,9 @@ def _route_kernel(rows, rows_stride_r, rows_stride_t, valid, gates, saved, saved
                 weight = col_ok.to(tl.float32)
             expert = tl.arange(0, ROUTED_PAD)
             real = expert < ROUTED_HEADS
-            tl.atomic_add(sums + expert, tl.sum(probs * weight[None, :], axis=1), mask=real)
-            tl.atomic_add(sums + ROUTED_HEADS + expert, tl.sum(chosen * weight[None, :], axis=1), mask=real)
-            tl.atomic_add(sums + 2 * ROUTED_HEADS, tl.sum(weight, axis=0))
+            tl.atomic_add(sums + expert, tl.sum(chosen * weight[None, :], axis=1), mask=real)
+            tl.atomic_add(sums + ROUTED_HEADS, tl.sum(weight, axis=0))
+            tl.atomic_add(sums + ROUTED_HEADS + 1 + expert, tl.sum(probs * weight[None, :], axis=1), mask=real)
 
 
 @triton.jit
@@ -206,7 +206,7 @@ def route_rows(rows: Tensor, valid: Tensor | None, shared_heads: int, routed_hea
     gates = rows.new_empty(num_tokens, shared_heads + routed_heads)
     # router_op.saved_rows, not imported: router_op imports this module.
     saved = rows.new_empty(shared_rows + routed_heads + type_rows + (routed_heads if stats else 0), num_tokens)
-    # The summed scores, the counts and the token count: float32, as an atomic add in bf16 would round each block.
+    # The counts, the token count and the summed scores: float32, as an atomic add in bf16 would round each block.
     sums = torch.zeros(2 * routed_heads + 1 if stats else 0, dtype=torch.float32, device=rows.device)
     _route_kernel[(triton.cdiv(num_tokens, BLOCK),)](
         rows, *rows.stride(), valid, gates, saved, *saved.stride(), sums if stats else None, num_tokens,
@@ -215,7 +215,10 @@ def route_rows(rows: Tensor, valid: Tensor | None, shared_heads: int, routed_hea
         ROUTED_PAD=_pad(routed_heads), BLOCK=BLOCK)
     if not stats:
         return gates, saved, rows.new_zeros(0), sums
-    return gates, saved, sums[:routed_heads].to(rows.dtype), sums[routed_heads:]
+    # A custom op's outputs may share no storage: the summed scores leave the buffer as a copy in every dtype (a plain
+    # .to in float32 would return a view of it), the counts stay at its start, storage offset 0 as the fake's.
+    counts, prob_sum = sums.split([routed_heads + 1, routed_heads])
+    return gates, saved, prob_sum.to(rows.dtype, copy=True), counts
 
 
 def route_rows_backward(grad_gates: Tensor, grad_prob_sum: Tensor | None, saved: Tensor, valid: Tensor | None,

@@ -1,6 +1,7 @@
 """The router's Triton pass (``router_triton``) against its PyTorch pass (``router_op``): every layout, with and without
 statistics and padding, token counts that are no multiple of the block, fp32 and bf16; on the CPU through Triton's
-interpreter, on CUDA compiled, and the whole ``moh::route`` op on CUDA against the CPU's."""
+interpreter, on CUDA compiled; the whole ``moh::route`` op with the kernels against it with the PyTorch passes in fp32,
+bf16 and fp16, and on CUDA against the CPU's."""
 import os
 import subprocess
 import sys
@@ -25,8 +26,17 @@ LAYOUTS = [(3, 5, 2, 3, 2), (2, 4, 1, 2, 0), (1, 4, 2, 0, 2), (1, 5, 3, 0, 0), (
            (6, 0, 0, 6, 0)]
 # The kernels compute in float32 and round once to bf16, against the PyTorch pass in float32 on the same values.
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2 ** -7, "atol": 1e-6}}
+# The whole op against the PyTorch passes in float32: (outputs, gradients) tolerances, relative and, times each one's
+# largest entry, absolute. The outputs round once to the dtype, as above (the interpreter truncates to bf16: up to one
+# unit in the last place); the gradients add the op's products in the dtype, sums over the tokens.
+OP_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -6, 2 ** -5), torch.float16: (2 ** -9, 2 ** -8)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="run by test_passes_under_the_triton_interpreter")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")
+needs_kernels = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
+                                   reason="needs a CUDA device or test_passes_under_the_triton_interpreter")
+TRITON_PASSES = (router_triton.route_rows, router_triton.route_rows_backward)
+PYTORCH_PASSES = (router_op.route_rows, router_op.route_rows_backward)
 
 
 def _logits(layout, num_tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -122,3 +132,62 @@ def test_route_op_on_cuda_equals_the_cpu_op():
         results.append([t.cpu() for t in (*outputs, *torch.autograd.grad(total, leaves))])
     for out, ref in zip(*results, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _route_inputs(dtype: torch.dtype):
+    """``moh::route``'s tensors for 2 shared heads, 4 routed with k = 2 and a type router, on the kernels' device: the
+    tokens and three weights, the valid tokens, and the gradients of the gates, the summed scores and the loss.
+
+    The weights are the identity's rows, so the logits are the tokens' first 8 columns, ``_logits``' tie-free ones,
+    exactly in every dtype: products of random weights round differently in float32 and bf16, which could flip a top-k.
+    """
+    device = "cpu" if INTERPRETED else "cuda"
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, dim = 130, 12
+    logits = _logits((2, 4, 2, 2, 2), num_tokens, generator)
+    tokens = torch.cat([logits.mT, torch.randn(num_tokens, dim - len(logits), generator=generator)], 1)
+    tensors = [tokens, *torch.eye(len(logits), dim).split([2, 4, 2])]
+    valid = torch.rand(num_tokens, generator=generator) > 0.3
+    grads = [torch.randn(num_tokens, 6, generator=generator), torch.randn(4, generator=generator), torch.tensor(0.37)]
+    return ([t.to(device, dtype) for t in tensors], valid.to(device), [g.to(device, dtype) for g in grads])
+
+
+def _route_with(passes, monkeypatch, tensors, valid, grads):
+    """``moh::route`` with ``passes`` each way: its six outputs, then the gradients of the tokens and each weight."""
+    monkeypatch.setattr(router_op, "_passes", lambda device: passes)
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    outputs = router_op.route(*leaves, valid, 2, 4, 2, True)
+    gates, _, prob_sum, _, _, loss = outputs
+    return [*outputs, *torch.autograd.grad((gates, prob_sum, loss), leaves, grads)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_route_op_with_triton_passes_equals_pytorch_passes(dtype, monkeypatch):
+    """The registered op, products and kernels, forward and backward: the gates, saved scores, load-balance statistics
+    and every gradient in the PyTorch passes' dtypes and shapes, and their float32 values on the same inputs. In float32
+    the kernels' summed scores once came out a view of the counts' buffer: two outputs sharing storage, which a
+    custom op refuses (what failed a 32-true run on CUDA)."""
+    tensors, valid, grads = _route_inputs(dtype)
+    ours = _route_with(TRITON_PASSES, monkeypatch, tensors, valid, grads)
+    same_dtype = _route_with(PYTORCH_PASSES, monkeypatch, tensors, valid, grads)
+    reference = _route_with(PYTORCH_PASSES, monkeypatch, [t.float() for t in tensors], valid,
+                            [g.float() for g in grads])
+    forward, backward = OP_TOLERANCE[dtype]
+    for index, (out, like, ref) in enumerate(zip(ours, same_dtype, reference, strict=True)):
+        assert (out.shape, out.dtype) == (like.shape, like.dtype), index
+        tolerance = forward if index < 6 else backward
+        torch.testing.assert_close(out.float(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item(),
+                                   msg=lambda message, index=index: f"output {index}: {message}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_route_op_with_triton_passes_passes_opcheck(dtype, stats, monkeypatch):
+    """torch.library's checks of the op with the kernels: its schema (no output aliasing another or an input), the
+    autograd registration, the fake's outputs against the real ones (storage offsets included) and an AOT-compiled
+    forward and backward against eager."""
+    tensors, valid, _ = _route_inputs(dtype)
+    monkeypatch.setattr(router_op, "_passes", lambda device: TRITON_PASSES)
+    torch.library.opcheck(router_op.route, (*[t.requires_grad_() for t in tensors], valid, 2, 4, 2, stats))
