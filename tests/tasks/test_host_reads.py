@@ -1,4 +1,5 @@
-"""A training step never makes the host wait for the device, except at the logging steps.
+"""A training step never makes the host wait for the device, except at the logging steps, and leaves nothing on the
+MoH layers that the next step's CUDA-graph replay would write over.
 
 On a GPU the host must queue the next kernels before the device finishes the last ones: a read of a device value
 (``.item()``, ``bool(tensor)``, ``float(tensor)``: aten's ``_local_scalar_dense``) or a collective in every step stalls
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moh_lightning.callbacks import lightning_compat as compat
 from moh_lightning.cli import main
+from moh_lightning.layers import MoHHeads
 
 COLLECTIVES = ("reduce", "reduce_boolean_decision", "all_gather", "broadcast", "barrier")
 LOG_EVERY = 4
@@ -70,6 +72,11 @@ class StepReads(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._close()
+        # What a step's forward leaves on the MoH layers is taken within that step (the loss by the task, the gates
+        # by the head-load counter): under CUDA graphs the next replay writes over it.
+        held = [name for name, layer in pl_module.named_modules() if isinstance(layer, MoHHeads)
+                and (layer.last_gates is not None or layer.load_balance_loss is not None)]
+        assert not held, f"before step {trainer.global_step} these layers still hold the last step's tensors: {held}"
         optimizers = trainer.optimizers
 
         def exempt(tensor: torch.Tensor) -> bool:

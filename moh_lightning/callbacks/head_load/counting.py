@@ -28,6 +28,16 @@ def layer_name(index: int) -> str:
     return f"layer_{index:02d}"
 
 
+def take_gates(layer: MoHHeads) -> torch.Tensor:
+    """The layer's gates of the last forward, which it then no longer holds.
+
+    Under CUDA graphs (``compile_kwargs: {mode: reduce-overhead}``) they live in the graphs' memory, which the next
+    step's replay writes over: counted within the step they were made in, and released.
+    """
+    gates, layer.last_gates = layer.last_gates, None
+    return gates
+
+
 def _layer_counts(gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h,) tokens that used each head, (h,) sum of gates, () real tokens, of one batch's (B, N, h) gates."""
     gates = gates.float()
@@ -107,7 +117,7 @@ class HeadLoadCounter:
         if not self.has_gates():
             return False
         for index, layer in self.routed_layers():
-            self._window.add(index, layer.last_gates)
+            self._window.add(index, take_gates(layer))
         self.window_batches += 1
         return True
 
@@ -172,7 +182,7 @@ class HeadLoadCounter:
         if not self.timestep_buckets:
             timesteps = None
         for index, layer in self.routed_layers():
-            gates = layer.last_gates
+            gates = take_gates(layer)
             self._val.add(index, gates)
             if not layer.router.num_routed_heads:
                 continue
