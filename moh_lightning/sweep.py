@@ -3,6 +3,13 @@
 Each trial is an ordinary ``moh fit`` run inside a Ray Tune trainable; its run folder is
 ``<out>/runs/<trial>/version_N/``. Tune's own experiment state in ``<out>/tune`` makes the sweep restartable:
 the same command again restores it with ``Tuner.restore`` and runs only the trials that have not finished.
+
+A sweep stops as a run does. SIGTERM or Ctrl-C asks every running trial to stop at its next step boundary with its
+checkpoint (``StopWhenAsked``, through the file ``<out>/stop``: a trial runs in a thread of a Ray worker, which
+hears no signal of its own); once each has saved, Tune ends its loop as on its own interruption (SIGUSR1), keeping
+the unfinished trials unfinished, and ``moh sweep`` exits 143 / 130 with one line saying how to continue. A second
+signal ends it at once. A local Ray keeps its session files in a temporary folder removed at exit, and
+authenticates with a token held in its processes' environment, never written to ``~/.ray``.
 """
 from __future__ import annotations
 
@@ -13,11 +20,22 @@ import logging
 import math
 import os
 import re
+import secrets
+import shlex
+import shutil
+import signal
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning.pytorch import Callback
+from ray import tune
+
+from moh_lightning.callbacks import lightning_compat as compat
 from moh_lightning.cli import main
 from moh_lightning.configs import resolve_config
 from moh_lightning.sweep_report import (
@@ -34,10 +52,17 @@ SPEC_FILE = "sweep.json"     # in <out>: what was swept, so a restart with other
 EXPERIMENT = "tune"          # Tune's experiment folder in <out>
 RUNS = "runs"                # the trials' moh fit run folders in <out>
 DONE_FILE = "sweep_result.json"  # in runs/<trial>/: the trial's final metrics, written when its fit returned
+STOP_FILE = "stop"            # in <out> while a stop signal asks the trials to stop
+STOPPED_FILE = "stopped"      # in runs/<trial>/: the trial saved at a step boundary and waits for the sweep to end
+_SAME_REQUEST_S = 1.0         # a second signal this soon is the same Ctrl-C reaching the process again
+# The local Ray's token: one per process, as Ray keeps the first token it read for the process's life.
+_RAY_TOKEN = secrets.token_hex(32)
 
-# Environment of the sweep's driver while it runs (restored afterwards): no usage-stats upload, and Tune's
-# automatic loggers without the TensorBoard one (the trials' own runs hold the TensorBoard events).
-_DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1"}
+# Environment of the sweep's driver while it runs (restored afterwards): no usage-stats upload, Tune's automatic
+# loggers without the TensorBoard one (the trials' own runs hold the TensorBoard events), and the stop signals left
+# to the sweep (Tune's own Ctrl-C handler ends the loop before the trials have saved).
+_DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1",
+               "TUNE_DISABLE_SIGINT_HANDLER": "1"}
 
 
 def sweep(
@@ -115,17 +140,93 @@ def sweep(
     _check_spec(out_dir, {"fit_config": str(config_path), "grid": grid or {},
                           "seeds": seeds, "extra_args": list(extra_args)})
 
-    with _environ(_DRIVER_ENV):
-        results = _run_on_tune(trials, config_path, out_dir, address, max_concurrent, cpus_per_trial,
-                               gpus_per_trial, retry_failed, reuse_workers, list(extra_args))
+    try:
+        with _environ(_DRIVER_ENV), _ray_temp_folder() as ray_folder, _StopSignals(out_dir) as stop:
+            results = _run_on_tune(trials, config_path, out_dir, address, max_concurrent, cpus_per_trial,
+                                   gpus_per_trial, retry_failed, reuse_workers, list(extra_args), ray_folder)
+    except _EndNow as end:  # Ray was shut down on the way out, with the trials' processes
+        print(f"moh sweep: a second {signal.Signals(end.signum).name} ended the sweep at once; each trial continues "
+              f"from its newest checkpoint with the same command: {_same_command()}", file=sys.stderr)
+        raise SystemExit(128 + end.signum) from None
     paths = write_report(out_dir, results, shown, seeds, metric, mode, base, title=config_path.name)
     counts = {s: sum(r.status == s for r in results) for s in (STATUS_FINISHED, STATUS_FAILED, STATUS_UNFINISHED)}
-    print(f"moh sweep: {counts[STATUS_FINISHED]} finished, {counts[STATUS_FAILED]} failed, "
-          f"{counts[STATUS_UNFINISHED]} unfinished of {len(results)} trials; {paths['markdown']}", file=sys.stderr)
     for r in results:
         if r.status == STATUS_FAILED:
             print(f"moh sweep: trial {r.name} failed: {r.error}", file=sys.stderr)
+    if stop.signum:
+        # The exit code of a process the signal ended (143, 130), as `moh fit` stops; one line on how to go on.
+        print(f"moh sweep: stopped by {signal.Signals(stop.signum).name}: {counts[STATUS_FINISHED]} of "
+              f"{len(results)} trials finished, the running ones saved at a step boundary; the report so far is "
+              f"{paths['markdown']}. Continue with the same command: {_same_command()}", file=sys.stderr)
+        raise SystemExit(128 + stop.signum)
+    print(f"moh sweep: {counts[STATUS_FINISHED]} finished, {counts[STATUS_FAILED]} failed, "
+          f"{counts[STATUS_UNFINISHED]} unfinished of {len(results)} trials; {paths['markdown']}", file=sys.stderr)
     return paths["markdown"]
+
+
+def _same_command() -> str:
+    """The command line that started this sweep, to repeat it; in words when it was not `moh` (a test, Python)."""
+    if Path(sys.argv[0]).name == "moh":
+        return shlex.join(["moh", *sys.argv[1:]])
+    return "`moh sweep` with the same arguments"
+
+
+# ----------------------------------------------------------------------------------------------- stopping
+
+class _StopSignals:
+    """The sweep's handlers of SIGTERM and Ctrl-C while it runs (the main thread's, restored afterwards).
+
+    The first signal writes ``<out>/stop``, which every trial's ``StopWhenAsked`` reads after each step;
+    ``_EndOnceSaved`` then ends Tune's loop. A second one, a second or more later, ends the sweep at once.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / STOP_FILE
+        self.signum: int | None = None
+        self.heard_at = 0.0
+        self._kept: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        self.path.unlink(missing_ok=True)  # a stop file left by a sweep that was killed
+        if threading.current_thread() is threading.main_thread():
+            self._kept = {signum: signal.signal(signum, self._heard) for signum in (signal.SIGTERM, signal.SIGINT)
+                          if signal.getsignal(signum) != signal.SIG_IGN}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._kept.items():
+            signal.signal(signum, handler)
+        self.path.unlink(missing_ok=True)
+
+    def _heard(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum, self.heard_at = signum, time.monotonic()
+            self.path.write_text(signal.Signals(signum).name)
+            print(f"moh sweep: {signal.Signals(signum).name}: every running trial stops at its next step boundary "
+                  f"with its checkpoint; a second signal ends the sweep at once.", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.heard_at >= _SAME_REQUEST_S:
+            raise _EndNow(signum)
+
+
+class _EndNow(BaseException):
+    """A second stop signal: leaves Tune's loop at once (Ray is shut down on the way out)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopWhenAsked(Callback):
+    """A trial's callback: stops its fit at the end of the step during which ``<out>/stop`` appeared, as SIGTERM
+    stops ``moh fit`` (``StepCheckpoint`` saves ``last.ckpt`` there). First among the callbacks, so that the
+    checkpoint callbacks, which Lightning runs last, see the request in the same step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.path.exists():  # a stat per step: microseconds
+            compat.request_stop(trainer)
 
 
 # ----------------------------------------------------------------------------------------------- the grid
@@ -209,11 +310,15 @@ def _check_spec(out_dir: Path, spec: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------- Ray Tune
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables that are not set already, and restores the environment afterwards."""
+def _environ(values: dict[str, str], override: bool = False) -> Iterator[None]:
+    """Sets environment variables (those not set already, unless ``override``), and restores the environment
+    afterwards."""
     saved = {k: os.environ.get(k) for k in values}
     for key, value in values.items():
-        os.environ.setdefault(key, value)
+        if override:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
     try:
         yield
     finally:
@@ -229,16 +334,78 @@ def _tune_callbacks() -> list:
     return []
 
 
+class _EndOnceSaved(tune.Callback):
+    """Ends Tune's loop once a stop was asked (``<out>/stop``) and every running trial has saved and said so.
+
+    By Tune's own interruption (SIGUSR1, which Tune always handles): the loop ends, Tune saves its state with the
+    stopped trials unfinished, and the same command continues them. Kept with Tune's state, so it holds paths only.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = str(out_dir)
+        self._sent = False
+
+    def __getstate__(self) -> dict:
+        return {"out_dir": self.out_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.out_dir, self._sent = state["out_dir"], False
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        out = Path(self.out_dir)
+        if self._sent or not (out / STOP_FILE).exists():
+            return
+        running = [trial for trial in trials if trial.status == "RUNNING"]
+        if all((out / RUNS / _trial_name(trial) / STOPPED_FILE).exists() for trial in running):
+            self._sent = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def _ray_temp_folder() -> Iterator[str]:
+    """A temporary folder for what Ray and Tune write outside ``--out`` (a local Ray's session files, which Ray keeps
+    in /tmp/ray for every session, Tune's lock files), removed when the sweep ends, however it ends. It is also the
+    local Ray processes' TMPDIR: a trial's process is killed when the sweep ends, and what it made there (wandb's
+    folders, which timm's import of wandb creates) would outlive it."""
+    # A local Ray's sockets live below it (<folder>/session_<date>_<pid>/sockets/plasma_store), and a socket's path
+    # has at most 107 bytes: /tmp where the temporary folder's own path is too long for that.
+    folder = tempfile.mkdtemp(prefix="moh-ray-", dir=None if len(tempfile.gettempdir()) <= 40 else "/tmp")
+    try:
+        with _environ({"RAY_TMPDIR": folder}), _environ({"TMPDIR": folder}, override=True):
+            yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _local_ray(cores: int, folder: str) -> Iterator[None]:
+    """A Ray of this machine for the sweep's time, its session files in ``folder``, with token authentication by a
+    token of this process's own, in the environment its processes inherit (readable by this user only) rather than a
+    ~/.ray/auth_token file."""
+    import ray
+    from ray._raylet import Config
+
+    try:
+        with _environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": _RAY_TOKEN}):
+            # Ray reads its authentication mode into its config when imported; re-read here, as Ray's own switch to
+            # token mode does (authentication_token_setup._enable_token_auth), and again once the variables are gone.
+            Config.initialize("")
+            ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False,
+                     logging_level="WARNING", _temp_dir=folder)
+            yield
+    finally:
+        ray.shutdown()
+        Config.initialize("")
+
+
 def _trial_name(trial) -> str:
     return trial.config["trial"]["name"]
 
 
 def _run_on_tune(trials: list[dict], config_path: Path, out_dir: Path, address: str | None, max_concurrent: int,
                  cpus_per_trial: int | None, gpus_per_trial: float, retry_failed: bool, reuse_workers: bool,
-                 extra_args: list[str]) -> list[TrialResult]:
+                 extra_args: list[str], ray_folder: str) -> list[TrialResult]:
     import ray
-    from ray import tune
-    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     experiment = out_dir / EXPERIMENT
     restore = tune.Tuner.can_restore(experiment)
@@ -246,41 +413,52 @@ def _run_on_tune(trials: list[dict], config_path: Path, out_dir: Path, address: 
         settled = _settled(experiment, trials, retry_failed)
         if settled is not None:  # nothing left to run: the report straight from Tune's saved state, no Ray
             return settled
-    started = not ray.is_initialized()
-    if started:
-        local_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ray.init(address=address or "local", num_cpus=None if address else local_cores, include_dashboard=False,
-                 log_to_driver=False, logging_level="WARNING")
-    try:
-        if cpus_per_trial is None:
-            node_cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
-            cpus_per_trial = max(1, int(min(c for c in node_cpus if c > 0) // max_concurrent))
-        trainable = tune.with_resources(
-            tune.with_parameters(_trainable, fit_config=str(config_path), runs=str(out_dir / RUNS),
-                                 cwd=os.getcwd(), extra_args=extra_args, threads=cpus_per_trial),
-            {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
-        if restore:
-            # Resumed, not restarted: a restarted trial is a new Tune trial in a new folder (`<trial>_1a2b`), whose
-            # result would not be found by name. The trainable itself continues from the run's last checkpoint.
-            tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
-                                       resume_errored=retry_failed)
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space={"trial": tune.grid_search(
-                    [{"name": t["name"], "cell": t["cell"], "seed": t["seed"], "overrides": t["overrides"]}
-                     for t in trials])},
-                tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent, reuse_actors=reuse_workers,
-                                            trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
-                run_config=tune.RunConfig(
-                    name=EXPERIMENT, storage_path=str(out_dir),
-                    failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-                    callbacks=[JsonLoggerCallback(), CSVLoggerCallback(), *_tune_callbacks()]))
-        # By folder (named after the trial): a restored trial that failed without reporting has no config here.
-        found = {Path(r.path).name: (r.error, r.metrics) for r in tuner.fit() if r.path}
-    finally:
-        if started:
-            ray.shutdown()
+    with contextlib.ExitStack() as ray_session:
+        if address and not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+            ray_session.callback(ray.shutdown)
+        elif not ray.is_initialized():
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            ray_session.enter_context(_local_ray(cores, ray_folder))
+        return _fit_on_tune(trials, config_path, out_dir, max_concurrent, cpus_per_trial, gpus_per_trial,
+                            retry_failed, reuse_workers, extra_args, restore)
+
+
+def _fit_on_tune(trials: list[dict], config_path: Path, out_dir: Path, max_concurrent: int,
+                 cpus_per_trial: int | None, gpus_per_trial: float, retry_failed: bool, reuse_workers: bool,
+                 extra_args: list[str], restore: bool) -> list[TrialResult]:
+    """Tune's run of the trials on the Ray this process is connected to."""
+    import ray
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    if cpus_per_trial is None:
+        node_cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+        cpus_per_trial = max(1, int(min(c for c in node_cpus if c > 0) // max_concurrent))
+    trainable = tune.with_resources(
+        tune.with_parameters(_trainable, fit_config=str(config_path), runs=str(out_dir / RUNS),
+                             stop_file=str(out_dir / STOP_FILE), cwd=os.getcwd(), extra_args=extra_args,
+                             threads=cpus_per_trial),
+        {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
+    experiment = out_dir / EXPERIMENT
+    if restore:
+        # Resumed, not restarted: a restarted trial is a new Tune trial in a new folder (`<trial>_1a2b`), whose
+        # result would not be found by name. The trainable itself continues from the run's last checkpoint.
+        tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
+                                   resume_errored=retry_failed)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"trial": tune.grid_search(
+                [{"name": t["name"], "cell": t["cell"], "seed": t["seed"], "overrides": t["overrides"]}
+                 for t in trials])},
+            tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent, reuse_actors=reuse_workers,
+                                        trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+            run_config=tune.RunConfig(
+                name=EXPERIMENT, storage_path=str(out_dir),
+                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+                callbacks=[JsonLoggerCallback(), CSVLoggerCallback(), _EndOnceSaved(out_dir), *_tune_callbacks()]))
+    # By folder (named after the trial): a restored trial that failed without reporting has no config here.
+    found = {Path(r.path).name: (r.error, r.metrics) for r in tuner.fit() if r.path}
     return [_trial_result(t, *found.get(t["name"], (None, None))) for t in trials]
 
 
@@ -349,14 +527,18 @@ def fit_args(fit_config: str, extra_args: Sequence[str], overrides: dict[str, An
 
 
 @contextlib.contextmanager
-def _capture_trainer() -> Iterator[list]:
-    """The Trainer of the ``moh fit`` that ``moh_lightning.cli.main`` runs inside this block, once fit returned."""
+def _capture_trainer(stop_file: Path) -> Iterator[list]:
+    """The Trainer of the ``moh fit`` that ``moh_lightning.cli.main`` runs inside this block, once fit returned; the
+    fit stops when ``stop_file`` appears (``StopWhenAsked``)."""
     from moh_lightning import cli
 
     captured: list = []
     original = cli.MoHLightningCLI
 
     class Capturing(original):
+        def before_fit(self) -> None:
+            self.trainer.callbacks.insert(0, StopWhenAsked(stop_file))
+
         def after_fit(self) -> None:
             captured.append(self.trainer)
 
@@ -367,17 +549,20 @@ def _capture_trainer() -> Iterator[list]:
         cli.MoHLightningCLI = original
 
 
-def _trainable(config: dict, fit_config: str, runs: str, cwd: str, extra_args: list[str], threads: int) -> None:
+def _trainable(config: dict, fit_config: str, runs: str, stop_file: str, cwd: str, extra_args: list[str],
+               threads: int) -> None:
     """Ray Tune trainable: one ``moh fit`` run in this process; reports its final metrics."""
     import ray
-    from ray import tune
 
     trial = config["trial"]
     run_root = Path(runs) / trial["name"]
-    done = run_root / DONE_FILE
+    done, stop = run_root / DONE_FILE, Path(stop_file)
+    (run_root / STOPPED_FILE).unlink(missing_ok=True)
     if done.is_file():  # finished before an interruption that Tune's saved state had not caught up with
         tune.report(json.loads(done.read_text()))
         return
+    if stop.exists():
+        _wait_for_the_end(run_root)
     if os.path.isdir(cwd):  # relative paths in the config mean what they mean for `moh fit` from there
         os.chdir(cwd)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -387,9 +572,11 @@ def _trainable(config: dict, fit_config: str, runs: str, cwd: str, extra_args: l
     torch.set_num_threads(threads)
     args = fit_args(fit_config, extra_args, trial["overrides"], trial["seed"], runs, trial["name"])
     try:
-        with _capture_trainer() as captured:
+        with _capture_trainer(stop) as captured:
             main(args)
     except SystemExit as exit:  # the CLI's one-line errors; a SystemExit would end the Ray worker instead
+        if stop.exists():  # stopped as asked, at a step boundary with its checkpoint
+            _wait_for_the_end(run_root)
         message = exit.code if isinstance(exit.code, str) else f"moh fit exited with status {exit.code}"
         raise RuntimeError(message) from None
     if not captured:
@@ -404,3 +591,12 @@ def _trainable(config: dict, fit_config: str, runs: str, cwd: str, extra_args: l
     tmp.write_text(json.dumps(report))
     tmp.replace(done)
     tune.report(report)
+
+
+def _wait_for_the_end(run_root: Path) -> None:
+    """Says that this trial has stopped (``_EndOnceSaved`` waits for every running trial's word), then waits for
+    Tune to end the sweep: ending the trial here would make it finished or failed, not unfinished."""
+    run_root.mkdir(parents=True, exist_ok=True)
+    (run_root / STOPPED_FILE).touch()
+    while True:
+        time.sleep(1)

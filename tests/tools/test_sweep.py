@@ -14,14 +14,20 @@ import csv
 import json
 import math
 import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import scipy.stats
+import torch
 import yaml
+from conftest import ctrl_c_restored
 from ray.tune import Callback
 
 from moh_lightning import cli
@@ -175,6 +181,64 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     assert [c["train/loss n"] for c in read_csv(out / "results.csv")] == ["2", "1"]
     assert "## train/loss" in (out / "results.md").read_text()
     assert (out / "train_loss.png").is_file()
+
+
+def _checkpoints(run: Path) -> list[Path]:
+    return [path for path in run.glob("version_*/checkpoints/*.ckpt") if path.name != "last.ckpt"]
+
+
+def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly_leaving_nothing_outside(tmp_path: Path):
+    # Two trials that train the same (the grid's key only changes how many checkpoints are kept), in a fresh HOME
+    # and TMPDIR; Ctrl-C (SIGINT to the sweep's process group) during the second.
+    home, tmp = tmp_path / "home", Path(tempfile.mkdtemp(dir="/tmp"))  # (a short TMPDIR: Ray's sockets go below)
+    home.mkdir()
+    overlay = tmp_path / "tiny.yaml"
+    settings = tiny_overlay(tmp_path)
+    settings["model"]["init_args"]["max_tokens"] = 20 * 4 * 32  # 20 steps, a checkpoint every 5
+    overlay.write_text(yaml.safe_dump(settings))
+    out = tmp_path / "sweep"
+    args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps({"checkpoint.keep": [3, 4]}), "--seeds", "[0]",
+            "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
+            "--extra_args", json.dumps(["--config", str(overlay)])]
+    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    ray_sessions = set(Path("/tmp/ray").glob("session_*"))
+    first, second = out / "runs" / "keep=3-seed=0", out / "runs" / "keep=4-seed=0"
+
+    sweep = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", *args], cwd=tmp_path, env=env,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=ctrl_c_restored)
+    deadline = time.monotonic() + 300
+    while not _checkpoints(second) and sweep.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sweep.poll() is None, sweep.communicate()[1][-3000:]
+    os.killpg(sweep.pid, signal.SIGINT)
+    _, err = sweep.communicate(timeout=120)
+    said = [line for line in err.splitlines() if line.startswith("moh sweep:")]
+    assert sweep.returncode == 130, err[-3000:]
+    assert said[-1].startswith("moh sweep: stopped by SIGINT: 1 of 2 trials finished, the running ones saved at a "
+                               "step boundary;") and said[-1].endswith("Continue with the same command: `moh sweep` "
+                                                                      "with the same arguments"), said
+    stopped_at = torch.load(second / "version_0/checkpoints/last.ckpt", weights_only=False)["global_step"]
+    assert 5 <= stopped_at < 20
+    assert not (out / "stop").exists()
+
+    again = subprocess.run([sys.executable, "-m", "moh_lightning.cli", *args], cwd=tmp_path, env=env,
+                           stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_restored, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
+    assert [row["status"] for row in trials.values()] == ["finished", "finished"]
+    # The stopped and continued trial ends where the uninterrupted one did.
+    uninterrupted, resumed = (json.loads((run / "sweep_result.json").read_text()) for run in (first, second))
+    assert resumed["global_step"] == uninterrupted["global_step"] == 20
+    assert {key: resumed["metrics"][key] for key in ("train/loss", "val/loss")} == \
+        {key: uninterrupted["metrics"][key] for key in ("train/loss", "val/loss")}
+
+    # Nothing left outside the sweep folder: no Ray session under /tmp/ray, no token file, no temporary folder; in
+    # HOME only matplotlib's font cache and config folder, as any `moh fit` that draws (the README names them).
+    assert set(Path("/tmp/ray").glob("session_*")) == ray_sessions
+    left = [path.relative_to(home) for path in home.rglob("*") if path.is_file()]
+    assert all(path.parts[:2] in ((".cache", "matplotlib"), (".config", "matplotlib")) for path in left), left
+    assert list(tmp.iterdir()) == []
+    tmp.rmdir()
 
 
 def test_welch_comparison_with_the_baseline() -> None:
