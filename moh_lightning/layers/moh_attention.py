@@ -293,7 +293,11 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
     so the repeated block is compiled once and reused, not the whole network traced; returns the number of blocks.
 
     A model's blocks share one code path, so the compiler's cache serves every block after the first (torch's
-    "regional compilation" recipe): the first step waits seconds, not the minutes a whole large network takes.
+    "regional compilation" recipe): the first step waits seconds, not the minutes a whole large network takes. Blocks
+    of one shape share one graph: what differs between them must be a tensor (a drop-path rate: ``DropPath``), not a
+    Python number, which Dynamo would specialise on. Blocks of different shapes (head budgets, TransNeXt's stages)
+    each compile a graph, and every graph of a block class, training's and evaluation's, counts against Dynamo's
+    recompile limit (8 by default; ``compile_kwargs`` ``recompile_limit`` raises it).
     """
     blocks = model_blocks(model, "regional compilation")
     for block in blocks:

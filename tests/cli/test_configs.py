@@ -105,6 +105,12 @@ def _layers(layers: list) -> list:
 RENAMED_EXECUTION = {"dense": "masked"}
 
 
+def _dropout(regularisers: list) -> list:
+    # A drop path of rate 0 is the identity: the first ViT block's, timm's nn.Identity when the snapshot was taken, is
+    # a DropPath now, so that compiled blocks of every rate share one graph (layers.DropPath).
+    return [entry for entry in regularisers if entry != ["DropPath", 0.0]]
+
+
 # Experiments shipped after the snapshot was taken; their own tests cover them (tests/test_transnext*.py,
 # tests/models/hf_causal/).
 AFTER_SNAPSHOT = ["continue_hf_75.yaml", "dit_folder_90.yaml", "moh_transnext_base_50.yaml",
@@ -134,7 +140,7 @@ def test_config_builds_what_it_built_before(name):
     else:
         assert new["state_dict"] == old["state_dict"]
         assert _layers(new["attention_layers"]) == _layers(old["attention_layers"])
-        assert new["dropout"] == old["dropout"]
+        assert _dropout(new["dropout"]) == _dropout(old["dropout"])
     assert _callbacks(new["callbacks"]) == _callbacks(old["callbacks"])
 
 
