@@ -30,9 +30,10 @@ OLD_DIT_ARCHITECTURE_KEYS = {"model", "input_size", "in_channels", "num_classes"
 # Options added since the snapshot, each with the value that keeps the snapshot's behaviour: a shipped config may
 # carry them only at that value.
 # compile / activation_checkpointing: reachable from a config since compile became "auto" (eager on the CPU as before).
+# compile_kwargs: torch.compile's options, a class attribute before it became a config key (None: torch's defaults).
 # class_names: what the classes are called (linked from the data module), which changes no training.
 NEW_OPTIONS = {"cfg_channels": None, "init_from_dense": None, "init_from": None, "hf_config": None, "compile": "auto",
-               "activation_checkpointing": False}
+               "activation_checkpointing": False, "compile_kwargs": None}
 NAMES_ONLY = ("class_names",)
 # Each task's older name of init_from, unset in every shipped config (the snapshot's values are compared as init_from).
 OLD_INIT_NAMES = ("init_from_hf", "init_from_dense", "pretrained")
