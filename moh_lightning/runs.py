@@ -40,6 +40,7 @@ RESUME_KEYS = ("model", "data")
 CONTINUABLE_KEYS = {
     "model.init_args.max_tokens": "",            # the LM's token budget (and its cosine length)
     "model.init_args.compile": "",
+    "model.init_args.compile_kwargs": "",
     "model.init_args.activation_checkpointing": "",
     "model.init_args.arch.moh.execution": "",    # dense-and-mask or head-sparse: the same function, computed otherwise
     "data.init_args.num_workers": "the rest of this epoch is drawn in a new order, since a loader's position does "

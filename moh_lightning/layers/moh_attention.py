@@ -276,10 +276,11 @@ def checkpoint_blocks(model: nn.Module) -> int:
     """Activation checkpointing per block: every entry of each ``blocks`` list in ``model`` recomputes its activations
     in backward instead of keeping them (``torch.utils.checkpoint``, non-reentrant). Returns the number of blocks.
 
-    ViT, DiT and the decoder LM keep their blocks in ``model.blocks``, TransNeXt in each ``stages[i].blocks``. The
-    block's forward is replaced on the instance, so module names, the state dict and hooks stay as they were; calling
-    it again changes nothing. The recomputation in backward leaves the MoH layers' ``last_gates`` and
-    ``load_balance_loss`` as the forward set them (same values, but a popped loss stays popped).
+    ViT, DiT and the decoder LM keep their blocks in ``model.blocks``, TransNeXt in each ``stages[i].blocks``, a
+    ``transformers`` model (``models.hf_causal``) its decoder layers in ``blocks``. The block's forward is replaced on
+    the instance, so module names, the state dict and hooks stay as they were; calling it again changes nothing. The
+    recomputation in backward leaves the MoH layers' ``last_gates`` and ``load_balance_loss`` as the forward set them
+    (same values, but a popped loss stays popped).
     """
     blocks = model_blocks(model, "activation checkpointing")
     for block in blocks:
@@ -293,7 +294,11 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
     so the repeated block is compiled once and reused, not the whole network traced; returns the number of blocks.
 
     A model's blocks share one code path, so the compiler's cache serves every block after the first (torch's
-    "regional compilation" recipe): the first step waits seconds, not the minutes a whole large network takes.
+    "regional compilation" recipe): the first step waits seconds, not the minutes a whole large network takes. Blocks
+    of one shape share one graph: what differs between them must be a tensor (a drop-path rate: ``DropPath``), not a
+    Python number, which Dynamo would specialise on. Blocks of different shapes (head budgets, TransNeXt's stages)
+    each compile a graph, and every graph of a block class, training's and evaluation's, counts against Dynamo's
+    recompile limit (8 by default; ``compile_kwargs`` ``recompile_limit`` raises it).
     """
     blocks = model_blocks(model, "regional compilation")
     for block in blocks:
@@ -302,7 +307,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> int:
 
 
 def model_blocks(model: nn.Module, purpose: str) -> list[nn.Module]:
-    """The entries of every ``blocks`` list in ``model`` (ViT, DiT and the LM's ``blocks``, TransNeXt's per stage)."""
+    """The entries of every ``blocks`` list in ``model`` (ViT, DiT and the LMs' ``blocks``, TransNeXt's per stage)."""
     blocks = [block for module in model.modules()
               if isinstance(getattr(module, "blocks", None), (nn.ModuleList, nn.Sequential))
               for block in module.blocks]

@@ -5,16 +5,18 @@ only what makes it that task: its loss, metrics and optimiser recipe.
 """
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.optim import Optimizer
 
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
@@ -63,11 +65,16 @@ class MoHTask(LightningModule):
         load_balance_beta: Weight beta of the load-balance loss (>= 0).
         compile: ``auto`` compiles each of the model's repeated blocks once (regional compilation, in place) when a
             Trainer runs it on CUDA, and nothing on the CPU, where compiling pays back little; ``true`` compiles the
-            whole model wherever it runs; ``false`` runs eagerly. The first steps wait for the compilation (printed).
-            Options in ``compile_kwargs``.
+            whole model wherever it runs; ``false`` runs eagerly. Blocks of one shape (head budget, stage) share one
+            compiled graph. The first step waits for the compilation; when it ends, how long it took and into how
+            many graphs the blocks compiled are printed, with a warning if Dynamo's recompile limit was hit (blocks
+            past it run eagerly).
         activation_checkpointing: Recompute each block's activations in backward instead of keeping them
             (``torch.utils.checkpoint`` per entry of the model's ``blocks``, TransNeXt's per stage): less memory for
             about a third more compute per step.
+        compile_kwargs: Keyword arguments of ``torch.compile`` where ``compile`` compiles (each block, or the whole
+            model): ``{mode: reduce-overhead}`` (CUDA graphs), ``{mode: max-autotune}``, ``{backend: aot_eager}``,
+            ``{recompile_limit: 16}``, ...; None keeps torch's defaults (Inductor).
     """
 
     #: What ``head_load_groups`` returns, in words, for the dashboards' labels ("class", "source", ...).
@@ -77,24 +84,32 @@ class MoHTask(LightningModule):
     #: The training metrics the progress bar shows. Logged without ``prog_bar``, which Lightning reads from the device
     #: after every batch; the suite's bar reads them at the logging steps only.
     progress_bar_train_metrics: tuple[str, ...] = ("train/loss",)
-    #: Keyword arguments of ``torch.compile`` when ``compile`` is on, e.g. ``{"mode": "max-autotune"}``.
-    compile_kwargs: dict = {}
     #: Set by ``moh`` when this run restores a checkpoint (``--ckpt_path``): its weights replace ``init_from``'s, so
     #: ``init_from`` is not read (Lightning knows the checkpoint only after the setup hooks, where tasks load it).
     restores_checkpoint: bool = False
 
     def __init__(self, load_balance_beta: float = 0.01, compile: bool | Literal["auto"] = "auto",
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, compile_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
         if load_balance_beta < 0:
             raise ValueError(f"model.init_args.load_balance_beta={load_balance_beta} must be >= 0.")
         if compile not in (True, False, "auto"):
             raise ValueError(f"model.init_args.compile={compile!r}: choose auto, true or false.")
+        options = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+        unknown = sorted(set(compile_kwargs or {}) - set(options))
+        if unknown:
+            raise ValueError(f"model.init_args.compile_kwargs: {', '.join(unknown)} is not an option of "
+                             f"torch.compile ({', '.join(options)}).")
         self.load_balance_beta = load_balance_beta
         self.compile_model = compile
+        self.compile_kwargs = dict(compile_kwargs or {})
         self.activation_checkpointing = activation_checkpointing
         self.model: torch.nn.Module | None = None
         self._model_compiled = False
+        #: What was compiled, in words ("12 blocks", "the model"), for the first step's line.
+        self._compiled_what = ""
+        #: Dynamo's (graphs, recompile-limit hits) when the model was compiled and when the first step started.
+        self._counts_at_compile = self._counts_at_first_step = (0, 0)
         self._first_step_started: float | None = None
 
     def configure_model(self) -> None:
@@ -112,21 +127,34 @@ class MoHTask(LightningModule):
             return
         if self.compile_model == "auto" and self._trainer.strategy.root_device.type == "cuda":
             blocks = compile_blocks(self.model, **self.compile_kwargs)
-            rank_zero_info(f"moh: compile auto: each of the {blocks} blocks compiled once (regional compilation); "
-                           f"--model.init_args.compile false runs eagerly.")
-            self._model_compiled = True
+            rank_zero_info(f"moh: compile auto: the {blocks} blocks compiled in place (regional compilation), one "
+                           f"graph per distinct block; --model.init_args.compile false runs eagerly.")
+            self._compiled_what = f"{blocks} blocks"
         elif self.compile_model is True:
             self.model.compile(**self.compile_kwargs)
-            self._model_compiled = True
+            self._compiled_what = "the model"
+        else:
+            return
+        self._model_compiled = True
+        self._counts_at_compile = dynamo_counts()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self._model_compiled and self._first_step_started is None:
             self._first_step_started = time.perf_counter()
+            self._counts_at_first_step = dynamo_counts()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if self._first_step_started is not None and self._first_step_started > 0:
+            graphs, limit_hits = dynamo_counts()
+            graphs -= self._counts_at_first_step[0]
             rank_zero_info(f"moh: the first compiled step took {time.perf_counter() - self._first_step_started:.1f} s, "
-                           f"compilation included.")
+                           f"compilation included: {self._compiled_what} compiled into {graphs} "
+                           f"graph{'s' if graphs != 1 else ''}.")
+            if limit_hits > self._counts_at_compile[1]:
+                limit = self.compile_kwargs.get("recompile_limit") or torch._dynamo.config.recompile_limit
+                rank_zero_warn(f"moh: torch.compile hit Dynamo's recompile limit ({limit}): blocks it would have "
+                               f"compiled next run eagerly (TORCH_LOGS=recompiles says why; --model.init_args."
+                               f"compile_kwargs '{{recompile_limit: {2 * limit}}}' raises it).")
             self._first_step_started = 0.0  # said once
 
     @property
@@ -180,4 +208,11 @@ class MoHTask(LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
-__all__ = ["DECAYED_LAYERS", "MoHTask", "weight_decay_groups"]
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs Dynamo has compiled, times it stopped compiling a function at its recompile limit) in this process."""
+    limit_hits = sum(count for reason, count in counters["unimplemented"].items()
+                     if "recompile limit exceeded" in reason.lower())
+    return counters["stats"]["unique_graphs"], limit_hits
+
+
+__all__ = ["DECAYED_LAYERS", "MoHTask", "dynamo_counts", "weight_decay_groups"]

@@ -12,7 +12,7 @@ precision are Trainer settings in the configs.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -46,6 +46,8 @@ class ImageClassifier(MoHTask):
         compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
         activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
             compute per step.
+        compile_kwargs: Keyword arguments of ``torch.compile`` where ``compile`` compiles, e.g. ``{mode:
+            reduce-overhead}`` (CUDA graphs) or ``{backend: aot_eager}`` (``MoHTask``).
         init_from: Weights to start from (``load_vit_weights``): a ``moh fit`` checkpoint of an ``ImageClassifier``
             with any head budget (routers kept where their shapes fit this budget, else fresh), a timm model name or
             a weights file (a dense timm ViT, an ``moh export-timm`` folder's file). Loaded when a run starts, with a
@@ -77,9 +79,10 @@ class ImageClassifier(MoHTask):
             init_from: str | None = None,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            compile_kwargs: dict[str, Any] | None = None,
             class_names: list[str] | None = None,
     ) -> None:
-        super().__init__(load_balance_beta, compile, activation_checkpointing)
+        super().__init__(load_balance_beta, compile, activation_checkpointing, compile_kwargs)
         self.save_hyperparameters()
         self.init_from = init_from
         self._init_from_loaded = False

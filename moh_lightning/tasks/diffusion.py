@@ -9,7 +9,7 @@ loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ class ClassConditionalDiffusion(MoHTask):
         compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
         activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
             compute per step.
+        compile_kwargs: Keyword arguments of ``torch.compile`` where ``compile`` compiles, e.g. ``{mode:
+            reduce-overhead}`` (CUDA graphs) or ``{backend: aot_eager}`` (``MoHTask``).
         num_train_timesteps: Steps of the forward process.
         beta_start: First beta of the linear schedule.
         beta_end: Last beta of the linear schedule.
@@ -84,9 +86,10 @@ class ClassConditionalDiffusion(MoHTask):
             init_from_dense: str | None = None,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            compile_kwargs: dict[str, Any] | None = None,
             class_names: list[str] | None = None,
     ) -> None:
-        super().__init__(load_balance_beta, compile, activation_checkpointing)
+        super().__init__(load_balance_beta, compile, activation_checkpointing, compile_kwargs)
         if snr_gamma is not None and snr_gamma <= 0:
             raise ValueError(f"snr_gamma={snr_gamma} must be > 0, or null for DiT's unweighted loss.")
         if sampler not in ("ddpm", "ddim"):

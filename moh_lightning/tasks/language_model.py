@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -71,6 +71,8 @@ class LanguageModel(MoHTask):
         compile: ``auto`` (regional compilation on CUDA, eager on the CPU), ``true`` or ``false`` (``MoHTask``).
         activation_checkpointing: Recompute each block's activations in backward: less memory, about a third more
             compute per step.
+        compile_kwargs: Keyword arguments of ``torch.compile`` where ``compile`` compiles, e.g. ``{mode:
+            reduce-overhead}`` (CUDA graphs) or ``{backend: aot_eager}`` (``MoHTask``).
         init_from_hf: ``init_from``'s name before the release that gave every task one name; warns.
         hf_config: The ``transformers`` config of ``init_from``, read from it when None; checkpoints keep it, so a
             run resumes and its checkpoint loads without the source.
@@ -111,6 +113,7 @@ class LanguageModel(MoHTask):
             top_p: float = 1.0,
             compile: bool | Literal["auto"] = "auto",
             activation_checkpointing: bool = False,
+            compile_kwargs: dict[str, Any] | None = None,
             hf_config: dict | None = None,
     ) -> None:
         config = arch if isinstance(arch, LlamaConfig) else LlamaConfig(**arch)
@@ -123,7 +126,7 @@ class LanguageModel(MoHTask):
                 head_budget(config.moh, family_config(hf_config))  # the budget checked before anything is built
         if load_balance_beta is None:
             load_balance_beta = 0.0 if config.moh is not None and config.moh.router == "query_norm" else 0.01
-        super().__init__(load_balance_beta, compile, activation_checkpointing)
+        super().__init__(load_balance_beta, compile, activation_checkpointing, compile_kwargs)
         if max_tokens <= 0:
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
         if not 0 <= min_lr <= lr:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -154,11 +155,10 @@ def test_sparse_path_compiles_with_only_its_data_dependent_breaks():
 
 
 class _TinyTask(MoHTask):
-    compile_kwargs = {"backend": "aot_eager"}
-
-    def __init__(self, compile: bool = False, activation_checkpointing: bool = False) -> None:
-        super().__init__(compile=compile, activation_checkpointing=activation_checkpointing)
-        self.model = _tiny_vit(drop_path_rate=0.0)
+    def __init__(self, compile: bool = False, activation_checkpointing: bool = False, **vit) -> None:
+        super().__init__(compile=compile, activation_checkpointing=activation_checkpointing,
+                         compile_kwargs={"backend": "aot_eager"})
+        self.model = _tiny_vit(**{"drop_path_rate": 0.0, **vit})
 
     def training_step(self, batch, batch_idx):
         images, labels = batch
@@ -202,11 +202,20 @@ def test_language_model_applies_the_switches_after_building_its_model():
 @pytest.mark.parametrize("config", ["vit_tiny_mnist_75.yaml", "dit_mnist_75.yaml", "llm_stdlib_75.yaml"])
 def test_every_task_takes_the_speed_switches_and_compiles_only_on_cuda_by_default(config):
     printed = printed_config(["--config", config, "--model.init_args.compile", "false",
-                              "--model.init_args.activation_checkpointing", "true"])
+                              "--model.init_args.activation_checkpointing", "true",
+                              "--model.init_args.compile_kwargs", "{mode: reduce-overhead}"])
     assert printed["model"]["init_args"]["compile"] is False
     assert printed["model"]["init_args"]["activation_checkpointing"] is True
+    assert printed["model"]["init_args"]["compile_kwargs"] == {"mode": "reduce-overhead"}
     task_class = class_of(printed["model"]["class_path"])
     assert inspect.signature(task_class).parameters["compile"].default == "auto"
+    assert inspect.signature(task_class).parameters["compile_kwargs"].default is None
+
+
+def test_compile_kwargs_are_checked_against_torch_compile():
+    assert MoHTask(compile_kwargs={"mode": "reduce-overhead", "recompile_limit": 16}).compile_kwargs["mode"]
+    with pytest.raises(ValueError, match="compile_kwargs: modes is not an option of torch.compile"):
+        MoHTask(compile_kwargs={"modes": "reduce-overhead"})
 
 
 def test_compile_auto_compiles_each_block_on_cuda_and_nothing_on_the_cpu(monkeypatch):
@@ -240,3 +249,32 @@ def test_every_tasks_block_compiles_on_cuda_without_a_graph_break(config):
     args, kwargs = captured["in"]
     explanation = torch._dynamo.explain(block)(*args, **kwargs)
     assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
+
+
+def _on_cuda(task: MoHTask) -> MoHTask:
+    """``task`` as a Trainer on CUDA would configure it: compile auto compiles its blocks (here to run on the CPU)."""
+    task._trainer = type("T", (), {"strategy": type("S", (), {"root_device": torch.device("cuda")})()})()
+    task.configure_model()
+    return task
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("top_k", "limit", "graphs"), [(2, None, 1), ([1, 2], 1, 1)])
+def test_the_first_compiled_step_says_into_how_many_graphs_and_warns_at_the_recompile_limit(top_k, limit, graphs,
+                                                                                            caplog):
+    """Two blocks with drop path (rates 0 and 0.1) share one graph; with two budgets and a recompile limit of one,
+    the second block's graph is not compiled, and the line says so."""
+    torch._dynamo.reset()
+    task = _TinyTask(compile="auto", drop_path_rate=0.1, moh=MoHConfig(num_shared_heads=1, top_k=top_k))
+    if limit is not None:
+        task.compile_kwargs["recompile_limit"] = limit
+    _on_cuda(task).on_train_batch_start(None, 0)
+    _step(task.model, (torch.randn(2, 1, 28, 28),), lambda out: out.square().mean())
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        task.on_train_batch_end(None, None, 0)
+    assert f"compilation included: 2 blocks compiled into {graphs} graph." in caplog.text
+    limit_warnings = [str(w.message) for w in warned if "recompile limit" in str(w.message)]
+    assert limit_warnings == ([] if limit is None else [
+        "moh: torch.compile hit Dynamo's recompile limit (1): blocks it would have compiled next run eagerly "
+        "(TORCH_LOGS=recompiles says why; --model.init_args.compile_kwargs '{recompile_limit: 2}' raises it)."])

@@ -103,6 +103,16 @@ class HFCausalLM(nn.Module):
     def config(self):
         return self.hf.config
 
+    @property
+    def blocks(self) -> nn.ModuleList | None:
+        """The family's decoder layers (transformers' ``GradientCheckpointingLayer``, what the FSDP configs wrap): the
+        repeated blocks that ``compile: auto`` compiles one by one and activation checkpointing recomputes, as the
+        suite's models' ``blocks``. None for a family whose layers are not marked so."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        return next((module for module in self.hf.modules() if isinstance(module, nn.ModuleList) and len(module)
+                     and all(isinstance(layer, GradientCheckpointingLayer) for layer in module)), None)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``idx`` (B, T), or with ``targets`` (B, T) their mean cross-entropy in float32 (as
         ``MoHLlama``'s, which the task asks for the loss)."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-from timm.layers import DropPath, trunc_normal_
+from timm.layers import trunc_normal_
 from torch import nn
 
+from moh_lightning.layers import DropPath
 from moh_lightning.layers.moh_config import attention_layers
 from moh_lightning.models.timm_compat import feature_take_indices
 from moh_lightning.models.transnext.attention import (
@@ -47,15 +48,21 @@ class ConvolutionalGLU(nn.Module):
 
 
 class TransNeXtBlock(nn.Module):
-    """Pre-norm residual block: token mixer (aggregated or full MoH attention), then convolutional GLU."""
+    """Pre-norm residual block: token mixer (aggregated or full MoH attention), then convolutional GLU.
 
-    def __init__(self, attn: TransNeXtAttention, dim: int, mlp_ratio: float, drop: float, drop_path: float) -> None:
+    ``drop_path`` is the block's stochastic depth rate, None in a model without stochastic depth. A rate of 0 (the
+    first block's) is a ``DropPath`` too, whose compiled forward reads its rate from a tensor: a stage's blocks of
+    one head budget share one compiled graph whatever their rates.
+    """
+
+    def __init__(self, attn: TransNeXtAttention, dim: int, mlp_ratio: float, drop: float,
+                 drop_path: float | None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = attn
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = ConvolutionalGLU(dim, int(dim * mlp_ratio), drop)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path = nn.Identity() if drop_path is None else DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, height: int, width: int, position: tuple[torch.Tensor, torch.Tensor]
                 ) -> torch.Tensor:
@@ -96,7 +103,9 @@ class TransNeXtStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.downsample(x)                                                       # (B, C, H, W)
         batch, channels, height, width = x.shape
-        x = x.flatten(2).transpose(1, 2)                                             # (B, N, C)
+        # A tensor of its own, as every later block's input: given a view (Dynamo guards on its base), the stage's
+        # first compiled block would be a graph of its own.
+        x = x.flatten(2).transpose(1, 2).clone()                                     # (B, N, C)
         position = (self.position_index, self.position_table)
         for block in self.blocks:
             x = block(x, height, width, position)
@@ -121,7 +130,8 @@ class TransNeXt(nn.Module):
         pretrain_grids = stage_grids(arch.pretrain_size or arch.img_size, arch.patch_size)
         layers = attention_layers(arch.layer_moh, arch.layer_heads, sum(depths))
         total = sum(depths)
-        drop_path = [arch.drop_path_rate * i / max(total - 1, 1) for i in range(total)]  # linear from 0
+        drop_path = [arch.drop_path_rate * i / max(total - 1, 1) if arch.drop_path_rate > 0 else None
+                     for i in range(total)]                                          # linear from 0
         self.num_classes = arch.num_classes
         self.in_chans = arch.in_chans
         self.num_features = self.head_hidden_size = dims[-1]

@@ -60,6 +60,8 @@ def step_row(moh: str, dense: str, batch: int, seq_len: int | None, device: torc
     for name in (dense, moh):
         model, inputs, loss_fn = model_step_parts(name, batch, device, seq_len)
         if compile_mode:
+            # Each model compiles from a clean cache: another's graphs would count against its recompile limit.
+            torch._dynamo.reset()
             compile_blocks(model)
         step = _autocast(train_step(model, inputs, loss_fn), device)
         if name == dense:
