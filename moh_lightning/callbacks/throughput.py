@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
@@ -148,7 +147,7 @@ class MoHThroughputMonitor(Callback):
     Args:
         available_flops: Peak FLOP/s of one device; None takes ``peak_flops`` for the device and precision (the
             dense peaks of known GPUs, the H100 and H200 among them; none for the CPU, where MFU is not logged).
-        window_size: Batches the rates are averaged over; fewer (said once) when the run has fewer steps left.
+        window_size: Batches the rates are averaged over; the run's length when it has fewer steps left.
     """
 
     def __init__(self, available_flops: float | None = None, window_size: int = 100) -> None:
@@ -175,12 +174,9 @@ class MoHThroughputMonitor(Callback):
             dtype = PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
             available = peak_flops(trainer.strategy.root_device, dtype)
         # Lightning's meter reports nothing until its window is full: a run with fewer steps left than the window
-        # averages over what it has, and says so.
+        # averages over what it has.
         left = trainer.estimated_stepping_batches - trainer.global_step
         window = int(min(self.window_size, max(2, left)))
-        if window < self.window_size:
-            rank_zero_info(f"moh: throughput is averaged over {window} batches, as the run has {left} steps left "
-                           f"(throughput.window_size={self.window_size}).")
         self._meters = tuple(Throughput(available_flops=available, world_size=trainer.world_size,
                                         window_size=window) for _ in range(2))
         self._samples = self._batches = 0

@@ -87,22 +87,18 @@ def test_training_logs_samples_tokens_and_both_mfus(tmp_path):
     assert last["throughput/mfu_dense"] == pytest.approx(last["throughput/flops_per_sec_dense"] / 1e12, rel=1e-6)
 
 
-def test_a_run_shorter_than_the_window_and_the_logging_interval_still_logs_its_throughput(tmp_path, caplog):
+def test_a_run_shorter_than_the_window_and_the_logging_interval_still_logs_its_throughput(tmp_path):
     task = TinyTask("masked")
     data = DataLoader(TensorDataset(torch.randn(24, 96, 32)), batch_size=4)
     trainer = Trainer(max_steps=5, log_every_n_steps=50, logger=CSVLogger(tmp_path),
                       callbacks=[MoHThroughputMonitor(available_flops=1e12, window_size=100)],
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       accelerator="cpu")
-    with caplog.at_level("INFO"):
-        trainer.fit(task, data)
+    trainer.fit(task, data)
     import csv
 
     rows = list(csv.DictReader(open(trainer.logger.experiment.metrics_file_path)))
     assert [row["step"] for row in rows if row.get("throughput/samples_per_sec")] == ["5"]
-    said = [record.message for record in caplog.records if "throughput is averaged" in record.message]
-    assert said == ["moh: throughput is averaged over 5 batches, as the run has 5 steps left "
-                    "(throughput.window_size=100)."]
 
 
 @pytest.mark.parametrize("name, dtype, expected", [("NVIDIA H200", torch.bfloat16, 989.4e12),
