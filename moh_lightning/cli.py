@@ -58,7 +58,14 @@ from moh_lightning.runs import (
     run_root,
     use_run_folder,
 )
-from moh_lightning.serialization import UnsafeCheckpointError, load_file
+from moh_lightning.serialization import UnsafeCheckpointError
+from moh_lightning.settings import (
+    LINKED_SIZES,
+    checkpoint_settings,
+    compare_with_checkpoint,
+    flat,
+    typed_model_keys,
+)
 from moh_lightning.tasks.base import MoHTask
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
@@ -224,11 +231,38 @@ class MoHLightningCLI(LightningCLI):
         # DDP launcher starts each further process from sys.argv, which then expands it the same way. (LightningCLI
         # warns when both are given, a guard against mistakes that does not apply here.)
         self.config = parser.parse_args(args)
-        # LightningCLI reads an explicit checkpoint's hyper-parameters next; a file that names a type no checkpoint
-        # needs is refused here first, in one line naming it (serialization.load_file).
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        if ckpt_path and Path(ckpt_path).is_file():
-            load_file(ckpt_path, mmap=True)
+        self.given_args, self.checkpoint_hparams = list(args), None
+        # An explicit checkpoint's settings are read next (_parse_ckpt_path); a missing file, one that names a type no
+        # checkpoint needs and another task's checkpoint are refused here first, in one line.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            task = getattr(self.config[subcommand].get("model"), "class_path", None)
+            self.checkpoint_hparams = checkpoint_settings(subcommand, str(ckpt_path), task)
+
+    def _parse_ckpt_path(self) -> None:
+        """The network settings saved with an explicit ``--ckpt_path``, with the ``--model.*`` keys typed on the
+        command line on top (``moh_lightning.settings``). LightningCLI's own puts the saved ones over everything, so
+        that a ``top_k`` typed for an evaluation was silently the checkpoint's."""
+        hparams = {k: v for k, v in (self.checkpoint_hparams or {}).items() if k != "_instantiator"}
+        self.config_model_keys = {}
+        if not hparams:
+            return
+        subcommand = self.config.subcommand
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        # What this command names, without the defaults; unvalidated, since a class named without its required
+        # arguments (`--trainer.logger CSVLogger`) is whole only with them.
+        named = self.parser.parse_args(self.given_args, defaults=False, _skip_validation=True)
+        named_model = flat(getattr(named[subcommand].get("model"), "init_args", None) or {})
+        typed = typed_model_keys(self.given_args)
+        init_args = self.config[subcommand].model.init_args
+        for key, value in named_model.items():
+            if any(key == name or key.startswith(f"{name}.") for name in typed):
+                init_args[key] = value
+            else:
+                self.config_model_keys[key] = value
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(HeadLoadCallback, "head_load")
@@ -247,7 +281,7 @@ class MoHLightningCLI(LightningCLI):
         # not name a target that a task combined with that data module lacks: jsonargparse 4.53 would still pass the
         # value into the task's recorded hyper-parameters, and its checkpoint would not load. So every image task
         # takes img_size (a pixel-space DiT's input_size) and class_names.
-        for key in ("num_classes", "vocab_size", "in_chans", "img_size"):
+        for key in LINKED_SIZES:
             parser.link_arguments(f"data.{key}", f"model.init_args.arch.{key}", apply_on="instantiate")
         # The class names travel with the checkpoint, for `moh sample --classes` and the per-class views.
         parser.link_arguments("data.class_names", "model.init_args.class_names", apply_on="instantiate")
@@ -349,6 +383,12 @@ class MoHLightningCLI(LightningCLI):
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
             raise SystemExit(f"moh: {one_line_error(str(error))}") from None
         one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
+        if self.checkpoint_hparams and isinstance(self.model, LightningModule):
+            # After the data module passed its sizes on, before anything is written.
+            line = compare_with_checkpoint(self.subcommand, str(self.config[self.subcommand].ckpt_path),
+                                           self.checkpoint_hparams, self.model.hparams, self.config_model_keys)
+            if line:
+                print(line, file=sys.stderr)
         if self.subcommand and isinstance(self.model, MoHTask):
             self.model.restores_checkpoint = bool(self.config[self.subcommand].get("ckpt_path"))
 

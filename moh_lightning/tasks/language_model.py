@@ -126,6 +126,9 @@ class LanguageModel(MoHTask):
         super().__init__(load_balance_beta, compile, activation_checkpointing)
         if max_tokens <= 0:
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
+        if lr <= 0:  # the schedule is a multiple of lr, and a run that cannot move its weights is no training
+            raise BadValueError(f"model.init_args.lr={lr} must be > 0; give a positive learning rate (`moh validate` "
+                                f"scores a model without training it).")
         if not 0 <= min_lr <= lr:
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
         self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
