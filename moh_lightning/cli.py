@@ -48,6 +48,7 @@ from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.configs import expand_config
 from moh_lightning.errors import UsageError
+from moh_lightning.models.hf_causal import read_source_config
 from moh_lightning.runs import (
     check_resumable,
     latest_loadable_checkpoint,
@@ -67,6 +68,7 @@ from moh_lightning.settings import (
     typed_model_keys,
 )
 from moh_lightning.tasks.base import MoHTask
+from moh_lightning.tasks.language_model import source_arch
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -252,10 +254,7 @@ class MoHLightningCLI(LightningCLI):
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-        # What this command names, without the defaults; unvalidated, since a class named without its required
-        # arguments (`--trainer.logger CSVLogger`) is whole only with them.
-        named = self.parser.parse_args(self.given_args, defaults=False, _skip_validation=True)
-        named_model = flat(getattr(named[subcommand].get("model"), "init_args", None) or {})
+        named_model = self._named_model_keys()
         typed = typed_model_keys(self.given_args)
         init_args = self.config[subcommand].model.init_args
         for key, value in named_model.items():
@@ -263,6 +262,38 @@ class MoHLightningCLI(LightningCLI):
                 init_args[key] = value
             else:
                 self.config_model_keys[key] = value
+
+    def _named_model_keys(self) -> dict:
+        """The ``model.init_args`` keys this command names in its config files and options, flat, without the
+        defaults. Parsed unvalidated, since a class named without its required arguments (``--trainer.logger
+        CSVLogger``) is whole only with them."""
+        named = self.parser.parse_args(self.given_args, defaults=False, _skip_validation=True)
+        named = named[named.subcommand] if named.get("subcommand") else named
+        return flat(getattr(named.get("model"), "init_args", None) or {})
+
+    def _network_of_init_from(self, config) -> None:
+        """A language model continue-tuned from a transformers model (``init_from``) is that model's network: its
+        shapes and head budget fill each ``arch`` key this command leaves unnamed, so that the run's ``config.yaml``
+        records the network that ran and a partial ``moh`` (``top_k 2`` on a 2-shared source) keeps the source's
+        other keys. A run from a checkpoint has the network saved with it."""
+        model = config.get("model")
+        init_args = getattr(model, "init_args", None)
+        if (self.checkpoint_hparams or init_args is None or init_args.get("arch") is None
+                or not str(getattr(model, "class_path", "")).endswith("LanguageModel")):
+            return
+        source = init_args.get("init_from") or init_args.get("init_from_hf")
+        if not source:
+            return
+        try:
+            network = source_arch(read_source_config(source))
+        except (OSError, ValueError):
+            return  # LanguageModel stops on it in one line
+        named = [key.removeprefix("arch.") for key in self._named_model_keys() if key.startswith("arch.")]
+        dense = init_args.arch.get("moh") is None
+        for key, value in network.items():
+            if not (key in named or any(key.startswith(f"{name}.") for name in named) or
+                    (dense and key.startswith("moh."))):
+                init_args[f"arch.{key}"] = value
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(HeadLoadCallback, "head_load")
@@ -300,6 +331,7 @@ class MoHLightningCLI(LightningCLI):
             folder = next_version(run_root(logger, self.run_name or "default"))  # a new run of such a logger
             use_run_folder(config, folder, f"{folder.parent.name}/{folder.name}")
         _tokenizer_of_init_from(config)
+        self._network_of_init_from(config)
         accelerator = config.trainer.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             raise SystemExit(f"moh: trainer.accelerator={accelerator} but this machine has no CUDA GPU; run the same "
