@@ -48,6 +48,7 @@ from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.configs import expand_config
 from moh_lightning.errors import UsageError
+from moh_lightning.models.hf_causal import read_source_config
 from moh_lightning.runs import (
     check_resumable,
     latest_loadable_checkpoint,
@@ -58,8 +59,16 @@ from moh_lightning.runs import (
     run_root,
     use_run_folder,
 )
-from moh_lightning.serialization import UnsafeCheckpointError, load_file
+from moh_lightning.serialization import UnsafeCheckpointError
+from moh_lightning.settings import (
+    LINKED_SIZES,
+    checkpoint_settings,
+    compare_with_checkpoint,
+    flat,
+    typed_model_keys,
+)
 from moh_lightning.tasks.base import MoHTask
+from moh_lightning.tasks.language_model import source_arch
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -224,11 +233,67 @@ class MoHLightningCLI(LightningCLI):
         # DDP launcher starts each further process from sys.argv, which then expands it the same way. (LightningCLI
         # warns when both are given, a guard against mistakes that does not apply here.)
         self.config = parser.parse_args(args)
-        # LightningCLI reads an explicit checkpoint's hyper-parameters next; a file that names a type no checkpoint
-        # needs is refused here first, in one line naming it (serialization.load_file).
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        if ckpt_path and Path(ckpt_path).is_file():
-            load_file(ckpt_path, mmap=True)
+        self.given_args, self.checkpoint_hparams = list(args), None
+        # An explicit checkpoint's settings are read next (_parse_ckpt_path); a missing file, one that names a type no
+        # checkpoint needs and another task's checkpoint are refused here first, in one line.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            task = getattr(self.config[subcommand].get("model"), "class_path", None)
+            self.checkpoint_hparams = checkpoint_settings(subcommand, str(ckpt_path), task)
+
+    def _parse_ckpt_path(self) -> None:
+        """The network settings saved with an explicit ``--ckpt_path``, with the ``--model.*`` keys typed on the
+        command line on top (``moh_lightning.settings``). LightningCLI's own puts the saved ones over everything, so
+        that a ``top_k`` typed for an evaluation was silently the checkpoint's."""
+        hparams = {k: v for k, v in (self.checkpoint_hparams or {}).items() if k != "_instantiator"}
+        self.config_model_keys = {}
+        if not hparams:
+            return
+        subcommand = self.config.subcommand
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        named_model = self._named_model_keys()
+        typed = typed_model_keys(self.given_args)
+        init_args = self.config[subcommand].model.init_args
+        for key, value in named_model.items():
+            if any(key == name or key.startswith(f"{name}.") for name in typed):
+                init_args[key] = value
+            else:
+                self.config_model_keys[key] = value
+
+    def _named_model_keys(self) -> dict:
+        """The ``model.init_args`` keys this command names in its config files and options, flat, without the
+        defaults. Parsed unvalidated, since a class named without its required arguments (``--trainer.logger
+        CSVLogger``) is whole only with them."""
+        named = self.parser.parse_args(self.given_args, defaults=False, _skip_validation=True)
+        named = named[named.subcommand] if named.get("subcommand") else named
+        return flat(getattr(named.get("model"), "init_args", None) or {})
+
+    def _network_of_init_from(self, config) -> None:
+        """A language model continue-tuned from a transformers model (``init_from``) is that model's network: its
+        shapes and head budget fill each ``arch`` key this command leaves unnamed, so that the run's ``config.yaml``
+        records the network that ran and a partial ``moh`` (``top_k 2`` on a 2-shared source) keeps the source's
+        other keys. A run from a checkpoint has the network saved with it."""
+        model = config.get("model")
+        init_args = getattr(model, "init_args", None)
+        if (self.checkpoint_hparams or init_args is None or init_args.get("arch") is None
+                or not str(getattr(model, "class_path", "")).endswith("LanguageModel")):
+            return
+        source = init_args.get("init_from") or init_args.get("init_from_hf")
+        if not source:
+            return
+        try:
+            network = source_arch(read_source_config(source))
+        except (OSError, ValueError):
+            return  # LanguageModel stops on it in one line
+        named = [key.removeprefix("arch.") for key in self._named_model_keys() if key.startswith("arch.")]
+        dense = init_args.arch.get("moh") is None
+        for key, value in network.items():
+            if not (key in named or any(key.startswith(f"{name}.") for name in named) or
+                    (dense and key.startswith("moh."))):
+                init_args[f"arch.{key}"] = value
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(HeadLoadCallback, "head_load")
@@ -247,7 +312,7 @@ class MoHLightningCLI(LightningCLI):
         # not name a target that a task combined with that data module lacks: jsonargparse 4.53 would still pass the
         # value into the task's recorded hyper-parameters, and its checkpoint would not load. So every image task
         # takes img_size (a pixel-space DiT's input_size) and class_names.
-        for key in ("num_classes", "vocab_size", "in_chans", "img_size"):
+        for key in LINKED_SIZES:
             parser.link_arguments(f"data.{key}", f"model.init_args.arch.{key}", apply_on="instantiate")
         # The class names travel with the checkpoint, for `moh sample --classes` and the per-class views.
         parser.link_arguments("data.class_names", "model.init_args.class_names", apply_on="instantiate")
@@ -266,6 +331,7 @@ class MoHLightningCLI(LightningCLI):
             folder = next_version(run_root(logger, self.run_name or "default"))  # a new run of such a logger
             use_run_folder(config, folder, f"{folder.parent.name}/{folder.name}")
         _tokenizer_of_init_from(config)
+        self._network_of_init_from(config)
         accelerator = config.trainer.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             raise SystemExit(f"moh: trainer.accelerator={accelerator} but this machine has no CUDA GPU; run the same "
@@ -349,6 +415,12 @@ class MoHLightningCLI(LightningCLI):
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
             raise SystemExit(f"moh: {one_line_error(str(error))}") from None
         one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
+        if self.checkpoint_hparams and isinstance(self.model, LightningModule):
+            # After the data module passed its sizes on, before anything is written.
+            line = compare_with_checkpoint(self.subcommand, str(self.config[self.subcommand].ckpt_path),
+                                           self.checkpoint_hparams, self.model.hparams, self.config_model_keys)
+            if line:
+                print(line, file=sys.stderr)
         if self.subcommand and isinstance(self.model, MoHTask):
             self.model.restores_checkpoint = bool(self.config[self.subcommand].get("ckpt_path"))
 

@@ -18,7 +18,7 @@ PACKAGE = Path(moh_lightning.__file__).parent
 # which drives the CLI, with its report).
 FLOORS = {"configs": 0, "errors": 0, "serialization": 0, "weights": 0, "layers": 0, "models": 1, "diffusion": 1,
           "data": 1, "metrics": 1,
-          "tasks": 2, "callbacks": 3, "tools": 3, "checkpoint_io": 3, "runs": 4, "cli": 4, "sweep": 4,
+          "tasks": 2, "callbacks": 3, "tools": 3, "checkpoint_io": 3, "runs": 4, "settings": 4, "cli": 4, "sweep": 4,
           "sweep_report": 4}
 
 

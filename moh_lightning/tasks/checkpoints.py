@@ -59,8 +59,7 @@ def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], t
     """
     path = Path(checkpoint)
     if not path.is_file():
-        raise FileNotFoundError(f"moh {tool}: checkpoint {checkpoint}: no such file; give a .ckpt written by "
-                                f"`moh fit`.")
+        raise SystemExit(f"moh {tool}: checkpoint {checkpoint}: no such file; give a .ckpt written by `moh fit`.")
     expected = expected if isinstance(expected, tuple) else (expected,)
     names = {cls.__name__ for cls in expected}
     wanted = " or ".join(sorted(names))

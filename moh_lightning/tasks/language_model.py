@@ -21,7 +21,13 @@ import torch
 
 from moh_lightning.data.tokenizers import BYTE_TOKENIZER
 from moh_lightning.errors import BadValueError
-from moh_lightning.models.hf_causal import build_hf_causal, family_config, head_budget, read_source_config
+from moh_lightning.models.hf_causal import (
+    build_hf_causal,
+    default_budget,
+    family_config,
+    head_budget,
+    read_source_config,
+)
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
 
@@ -129,6 +135,9 @@ class LanguageModel(MoHTask):
         super().__init__(load_balance_beta, compile, activation_checkpointing, compile_kwargs)
         if max_tokens <= 0:
             raise ValueError(f"model.init_args.max_tokens={max_tokens} must be > 0.")
+        if lr <= 0:  # the schedule is a multiple of lr, and a run that cannot move its weights is no training
+            raise BadValueError(f"model.init_args.lr={lr} must be > 0; give a positive learning rate (`moh validate` "
+                                f"scores a model without training it).")
         if not 0 <= min_lr <= lr:
             raise ValueError(f"model.init_args.min_lr={min_lr} must be between 0 and lr={lr}.")
         self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
@@ -254,24 +263,43 @@ class LanguageModel(MoHTask):
 
 
 def check_arch(config: LlamaConfig, hf_config: dict, source: str) -> None:
-    """With ``init_from`` the architecture is the source's: ``arch`` may leave a shape or setting at its default or
-    repeat the source's value, and any other value stops here in one line naming it (the vocabulary follows the
-    tokenizer, checked in ``setup``)."""
-    family = family_config(hf_config)
+    """With ``init_from`` the architecture is the source's (``source_arch``): ``arch`` may leave a shape or setting at
+    its default or repeat the source's value, and any other value stops here in one line naming it (the vocabulary
+    follows the tokenizer, checked in ``setup``)."""
+    network = source_arch(hf_config)
     defaults = LlamaConfig()
     for field in fields(LlamaConfig):
         name = field.name
         if name in ("moh", "vocab_size", "fused_kernels"):  # budget and vocabulary checked apart; kernels: speed
             continue
-        value = getattr(config, name)
-        if name == "rope_base":
-            rope = getattr(family, "rope_parameters", None) or {}
-            theirs = rope.get("rope_theta", getattr(family, "rope_theta", None))
-        else:
-            theirs = getattr(family, _SOURCE_FIELDS[name], None)
+        value, theirs = getattr(config, name), network.get(name)
         if value != getattr(defaults, name) and value != theirs:
             raise BadValueError(f"model.init_args.arch.{name}={value}: with init_from the architecture is "
-                                f"{source}'s ({_SOURCE_FIELDS.get(name, name)}={theirs}); remove the override.")
+                                f"{source}'s ({_SOURCE_FIELDS.get(name, 'rope_theta')}={theirs}); remove the "
+                                f"override.")
+
+
+def source_arch(hf_config: dict) -> dict:
+    """The network ``init_from`` builds, as flat ``arch`` keys: the source's shapes and settings under
+    ``LlamaConfig``'s names (a head width or key / value head count the family leaves to its defaults as it derives
+    them), and its head budget (a MoH folder's ``moh_*``, else ``default_budget``'s). So a run's ``config.yaml``
+    records the network that ran, and a partial ``moh`` override keeps the source's other keys."""
+    family = family_config(hf_config)
+    arch = {name: getattr(family, theirs) for name, theirs in _SOURCE_FIELDS.items()
+            if getattr(family, theirs, None) is not None}
+    rope = getattr(family, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(family, "rope_theta", None))
+    if theta is not None:
+        arch["rope_base"] = float(theta)
+    heads = getattr(family, "num_attention_heads", None)
+    if heads:
+        arch.setdefault("head_dim", family.hidden_size // heads)
+        arch.setdefault("num_kv_heads", heads)
+    if getattr(family, "moh_num_shared_heads", None) is not None:
+        arch["moh.num_shared_heads"], arch["moh.top_k"] = family.moh_num_shared_heads, family.moh_top_k
+    elif heads:
+        arch["moh.num_shared_heads"], arch["moh.top_k"] = default_budget(heads)
+    return arch
 
 
 def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, total_steps: int):
@@ -286,4 +314,4 @@ def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, t
     return at
 
 
-__all__ = ["LanguageModel", "check_arch", "warmup_cosine"]
+__all__ = ["LanguageModel", "check_arch", "source_arch", "warmup_cosine"]

@@ -82,7 +82,8 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
     if dtype is not None and dtype not in DTYPES:
         raise SystemExit(f"moh convert-llama: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out "
                          f"for the source's).")
-    model = from_hf(source, num_shared_heads, top_k, dtype=getattr(torch, dtype) if dtype else "auto")
+    with one_line_errors("convert-llama"):
+        model = from_hf(source, num_shared_heads, top_k, dtype=getattr(torch, dtype) if dtype else "auto")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):

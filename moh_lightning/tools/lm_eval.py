@@ -148,9 +148,10 @@ def lm_eval(
     from lm_eval.utils import make_table
 
     if (checkpoint is None) == (hf_folder is None):
-        raise ValueError("give exactly one of --checkpoint (a .ckpt) or --hf_folder (an exported folder).")
+        raise SystemExit("moh lm-eval: give exactly one of --checkpoint (a .ckpt) or --hf_folder (an exported "
+                         "folder).")
     if hf_folder is not None and not Path(hf_folder, "config.json").is_file():
-        raise FileNotFoundError(f"--hf_folder {hf_folder}: no config.json; export one with `moh export-hf`.")
+        raise SystemExit(f"moh lm-eval: --hf_folder {hf_folder}: no config.json; export one with `moh export-hf`.")
     include_path = task_folder(include_path) if include_path else None
     offline_unless_hub_answers()
     # Tasks (and their data) load before the model, so a task that cannot stops the tool before a model is built.

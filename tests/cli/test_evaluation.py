@@ -88,3 +88,34 @@ def test_embedded_digits_have_no_test_split(run_dir):
 def test_tasks_without_a_test_split_say_so(run_dir):
     message = _one_line(["test", "--config", "dit_mnist_75.yaml", "--trainer.logger", "false"])
     assert "ClassConditionalDiffusion has no test split" in message and "moh validate" in message
+
+
+def test_a_checkpoint_of_other_shapes_stops_in_one_line_and_another_budget_is_said(run_dir, write_image_folder,
+                                                                                   capsys):
+    """A sweep's trial trained at 16 pixels, patch 4 and top-2, evaluated with the shipped config (32 pixels, patch
+    8, top-4): the data's 32 pixels stop in one line before anything is written; at 16 pixels the network is the
+    checkpoint's, said in one line; a top_k typed on the command line evaluates at it, said in one line."""
+    write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
+    shutil.copytree(run_dir / "data/val", run_dir / "data/test")
+    main(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--trainer.max_steps", "1",
+          "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar",
+          "false", "--data.init_args.img_size", "16", "--model.init_args.arch.patch_size", "4",
+          "--model.init_args.arch.moh.top_k", "2"])
+    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
+    checkpoint = str(run / "checkpoints/last.ckpt")
+    evaluate = ["--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--ckpt_path", checkpoint,
+                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"]
+    message = _one_line(["test", *evaluate])
+    assert ("holds weights of another shape (data.init_args.img_size -> model.init_args.arch.img_size: the "
+            "checkpoint's 16, yours 32)") in message
+    assert f"--config {run / 'config.yaml'}" in message
+    assert not (run / "eval").exists()
+    capsys.readouterr()
+    main(["validate", *evaluate, "--data.init_args.img_size", "16"])
+    assert ("moh: the checkpoint's network, not the config's: top_k 2 (config: 4), patch_size 4 (config: 8); a "
+            "--model.init_args.arch.* option overrides a key") in capsys.readouterr().err.splitlines()
+    assert _metrics(run, "validate-last")["val/activated_heads"] == 0.5  # 2 shared + top-2 of 6 routed heads
+    main(["validate", *evaluate, "--data.init_args.img_size", "16", "--model.init_args.arch.moh.top_k", "4"])
+    assert ("moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k); the checkpoint's network, "
+            "not the config's: patch_size 4 (config: 8)") in capsys.readouterr().err
+    assert _metrics(run, "validate-last-2")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads

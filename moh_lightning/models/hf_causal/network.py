@@ -198,6 +198,9 @@ def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
     if not heads:
         raise ValueError(f"model_type={config.model_type!r}: this family has no attention heads "
                          f"(num_attention_heads) for MoH to gate; convert a model with multi-head attention.")
+    family_class = _family_class(config)
+    if not family_class._can_set_attn_implementation():  # a class property: refused before any weight is read
+        raise ValueError(_bypasses_interface(family_class.__name__))
     if moh.num_shared_heads != 0 or moh.top_k is not None:
         return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(heads, depth)]
     if getattr(config, "moh_num_shared_heads", None) is not None:
@@ -211,13 +214,16 @@ def attention_layers(hf: nn.Module) -> list[nn.Module]:
     name = type(hf).__name__
     layers = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
     if not type(hf)._can_set_attn_implementation() or not layers:
-        raise ValueError(f"{name}: its attention does not go through transformers' attention interface, where MoH "
-                         f"gates the heads; convert a model whose family does (Qwen2/3, Mistral, Phi-3, Gemma 2, "
-                         f"LLaMA, ...).")
+        raise ValueError(_bypasses_interface(name))
     if len(layers) != hf.config.num_hidden_layers:
         raise ValueError(f"{name}: found {len(layers)} attention layers for num_hidden_layers="
                          f"{hf.config.num_hidden_layers}; this family is not supported.")
     return layers
+
+
+def _bypasses_interface(name: str) -> str:
+    return (f"{name}: its attention does not go through transformers' attention interface, where MoH gates the heads; "
+            f"convert a model whose family does (Qwen2/3, Mistral, Phi-3, Gemma 2, LLaMA, ...).")
 
 
 def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = None,

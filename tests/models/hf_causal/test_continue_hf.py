@@ -9,6 +9,7 @@ import time
 import lightning as L
 import pytest
 import torch
+import yaml
 from conftest import run_checkpoints
 from hf_families import FAMILIES, TEXT, save_family
 from lightning.pytorch.trainer.states import TrainerFn
@@ -121,6 +122,31 @@ def test_a_pretrained_model_reads_its_own_tokenizer_by_default(run_dir, capsys):
     del args[at:at + 2]
     moh(args)
     assert f"moh: data.init_args.tokenizer={source} (init_from's own" in capsys.readouterr().err
+
+
+def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_sources_keys(run_dir, capsys):
+    """A converted 2 shared + top-1 folder continue-tuned with `top_k 2` typed: 2 shared + top-2 (once 0 shared +
+    top-2, exported as `moh_num_shared_heads: 0`), and the run's config.yaml records the source's shapes (once the
+    defaults: depth 12, embed_dim 768) and evaluates its checkpoint with no line about another network."""
+    save_family("phi3", run_dir / "source")
+    moh(["convert-hf", "--source", "source", "--out", "converted", "--num_shared_heads", "2", "--top_k", "1"])
+    (run_dir / "my.txt").write_text(TEXT * 20)
+    moh(_fit_args("converted", "--model.init_args.arch.moh.top_k", "2", "--trainer.max_steps", "1"))
+    run = run_checkpoints("continue_hf_75").parent
+    arch = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]["arch"]
+    assert {key: arch[key] for key in ("depth", "embed_dim", "num_heads", "head_dim", "num_kv_heads",
+                                       "intermediate_size", "norm_eps")} == {
+        "depth": 2, "embed_dim": 64, "num_heads": 8, "head_dim": 8, "num_kv_heads": 2, "intermediate_size": 96,
+        "norm_eps": 1e-6}
+    assert (arch["moh"]["num_shared_heads"], arch["moh"]["top_k"]) == (2, 2)
+    moh(["export-hf", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", "exported"])
+    written = json.loads((run_dir / "exported" / "config.json").read_text())
+    assert (written["moh_num_shared_heads"], written["moh_top_k"]) == (2, 2)
+    capsys.readouterr()
+    moh(["validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+         "--trainer.enable_progress_bar", "false"])
+    said = capsys.readouterr().err
+    assert "moh: evaluating" not in said and "not the config's" not in said
 
 
 @pytest.mark.slow
