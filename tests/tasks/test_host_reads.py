@@ -146,3 +146,15 @@ def test_no_step_waits_for_the_gpu_outside_the_logging_steps(run_dir, config):
               "--model.init_args.compile=false", "--trainer.callbacks+=test_host_reads.SyncDebug"])
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_moh_training_step_runs_under_cuda_graphs_with_its_head_load(run_dir):
+    # reduce-overhead replays each compiled block as a CUDA graph: the gates the head-load counter reads and the
+    # load-balance loss the task adds are taken within their step, before the next replay writes over them.
+    main(["fit", "--config", "vit_tiny_mnist_75.yaml", "--data.init_args.batch_size=16", "--trainer.accelerator=gpu",
+          "--trainer.max_steps=8", "--trainer.limit_val_batches=0", f"--trainer.log_every_n_steps={LOG_EVERY}",
+          f"--head_load.log_every_n_steps={LOG_EVERY}", "--model.init_args.compile=auto",
+          "--model.init_args.compile_kwargs={mode: reduce-overhead}", "--trainer.callbacks+=test_host_reads.StepReads"])
+    loads = run_dir / "runs" / "vit_tiny_mnist_75" / "version_0" / "head_load" / "summary.md"
+    assert loads.is_file() and "No routed head measured" not in loads.read_text()
