@@ -90,7 +90,7 @@ finish() {
 }
 
 call() {
-    echo "== results/gpu/run.sh ${DRY:-} on $(hostname) at $(date -u +%FT%TZ), writing into $OUT"
+    echo "== results/gpu/run.sh ${DRY:-} on $(uname -n) at $(date -u +%FT%TZ), writing into $OUT"
     if [ -z "$DRY" ]; then
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
     fi

@@ -32,9 +32,11 @@ from moh_lightning.layers.moh_attention import compile_blocks
 from moh_lightning.tools.bench.model_step import model_step_parts, train_step
 
 # (MoH config, dense config, batch, sequence length or None for the config's own): the GPU defaults of each task, and
-# an LM at 1,024 and at 4,096 tokens, where attention dominates.
-GPU_PAIRS = [("vit_s_75", "vit_s_100", 128, None), ("dit_s2_75", "dit_s2_100", 128, None),
-             ("llm_s_75", "llm_s_100", 8, 1024), ("llm_s_50", "llm_s_100", 2, 4096)]
+# an LM at 1,024 and at 4,096 tokens, where attention dominates. The ViT last: each of its blocks has a drop-path rate
+# of its own, which Dynamo guards, so its compiled networks recompile block after block up to the recompile limit,
+# the longest compilation of the four; a call cut short loses that pair, not the others.
+GPU_PAIRS = [("dit_s2_75", "dit_s2_100", 128, None), ("llm_s_75", "llm_s_100", 8, 1024),
+             ("llm_s_50", "llm_s_100", 2, 4096), ("vit_s_75", "vit_s_100", 128, None)]
 # The CPU defaults at small batches: the same table in seconds, for trying the command (no MFU: no CPU peak).
 CPU_PAIRS = [("vit_tiny_mnist_75", "vit_tiny_mnist_100", 32, None), ("dit_mnist_75", "dit_mnist_100", 16, None),
              ("llm_stdlib_75", "llm_stdlib_100", 4, 256)]
@@ -124,7 +126,7 @@ def _dynamo_counts() -> dict:
     return {"graphs": counters["stats"]["unique_graphs"],
             "recompiles": sum(len(reasons) for reasons in guard_failures.values()),
             "limit_hits": sum(n for message, n in counters["unimplemented"].items()
-                              if message.startswith("Dynamo recompile limit exceeded"))}
+                              if "recompile limit exceeded" in message.lower())}
 
 
 def _not_compiled(dynamo: dict[str, dict]) -> str | None:
