@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one call on a lent GPU: measures first, then tests in what is left, within 540 s on an H100.
 #   setup   the wheels carried in .whl/ installed into /tmp/site (results/gpu/wheels.py install); the GPU named
-#   check   every module the call imports and every carried package import, the suite's version floors hold, the
-#           CUDA tests' ids collect; a failure here ends the call before anything is measured
+#   check   every module the call imports and every carried package import, the GPU and liger-kernel's ops are
+#           there, the CUDA tests' ids collect (a failure ends the call before anything is measured); versions
+#           outside the suite's ranges are said
 #   steps   moh bench --steps true: each task's MoH training step against its dense config, eager, then compiled
 #           (rows into $OUT/steps.json and steps.md as each is measured)
 #   loader  moh bench --loader true: the ImageNet recipe's image loader on this machine's cores ($OUT/loader.json, .md)
