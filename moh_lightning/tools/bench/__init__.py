@@ -68,9 +68,12 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
             SDPA over all and over half of the heads; ``quick`` and ``output`` are the only other options it reads).
         clock: ``wall`` (elapsed time) or ``cpu`` (the process's CPU time: steadier on a shared machine; ratios
             between variants compare the work done, not the waiting).
-        compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
+        compile_backend: ``torch.compile`` backend of the compiled table and of ``steps``' compiled rows (``aot_eager``
+            compiles in seconds).
         steps: Only each task's MoH training step against its dense config (``bench.steps``): eager, and on CUDA
-            compiled too; rows into ``output`` (``results/gpu/steps.json`` by default) and a page beside it.
+            compiled too; rows into ``output`` (``results/gpu/steps.json`` by default) and a page beside it. With
+            ``quick``: the CPU defaults at batch 2, eager and compiled (``compile_backend``) on any device, the GPU
+            call's dry run (``results/gpu/run.sh --dry-run``).
         loader: Only the ImageNet recipe's training loader (``bench.loader``): images/s and images/s per worker for
             each of ``loader_workers``, ``device_augment`` true and false, on JPEGs of ImageNet's typical sizes; rows
             into ``output`` (``results/loader.json`` by default) and the page ``loader.md`` beside it. ``quick``:
@@ -92,8 +95,8 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         return bench_loader(output or "results/loader.json", loader_workers, loader_data, loader_batches, quick,
                             command)
     if steps:
-        return bench_steps(device, output or "results/gpu/steps.json", compiled=compiled and run_on.type == "cuda",
-                           repeats=repeats, warmup=warmup)
+        return bench_steps(device, output or "results/gpu/steps.json", repeats=repeats, warmup=warmup,
+                           compiled=compiled and (run_on.type == "cuda" or quick), backend=compile_backend, quick=quick)
     if run_on.type == "cuda":
         path = Path(output) if output else default_output("bench_attention_cuda.md")
         print(f"moh bench: writing {path} (rewritten after each table)", flush=True)
