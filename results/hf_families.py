@@ -92,7 +92,9 @@ def main_(families: list[str]) -> None:
              "'not built' is this script's limit (a default config the generic shrinking cannot make tiny and "
              "consistent), not a `convert-hf` outcome. `tests/models/hf_causal/test_convert_hf.py` converts a "
              "representative few (a composite, a no-interface family, per-layer head widths, an infinite config "
-             "value, no tokenizer) on every run of the suite.", "",
+             "value, no tokenizer) on every run of the suite. 'differs' and 'traceback' rows are open bugs of "
+             "`convert-hf`: the family converts without refusing, yet the folder computes other logits or fails to "
+             "run.", "",
              "| family | outcome | detail |", "|---|---|---|",
              *(f"| `{name}` | {outcome} | {detail.replace('|', '/')} |" for name, outcome, detail in rows), ""]
     (ROOT / "results" / "hf_families.md").write_text("\n".join(lines))
