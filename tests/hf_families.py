@@ -64,4 +64,75 @@ def save_family(family: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-__all__ = ["FAMILIES", "TEXT", "save_family", "train_tokenizer"]
+#: Tiny sizes for any family's default config, by the field's name (transformers' names and their aliases); a field is
+#: only ever shrunk.
+_TINY = [
+    (lambda key: "vocab_size" in key, 320),
+    (lambda key: key in ("hidden_size", "n_embd", "d_model", "embed_dim", "n_embed", "dim"), 64),
+    (lambda key: key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"), 2),
+    (lambda key: key in ("num_attention_heads", "n_head", "n_heads", "num_heads"), 4),
+    (lambda key: key in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), 2),
+    (lambda key: key in ("head_dim", "v_head_dim", "qk_head_dim", "kv_channels", "attention_head_dim",
+                         "global_head_dim"), 16),
+    (lambda key: "intermediate_size" in key or key in ("ffn_dim", "n_inner", "ffn_hidden_size", "d_ff"), 96),
+    (lambda key: key in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts"), 4),
+    (lambda key: key in ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k"), 2),
+    (lambda key: key in ("n_shared_experts", "num_shared_experts"), 1),
+    (lambda key: key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length"), 128),
+    (lambda key: key == "kv_lora_rank", 16), (lambda key: key == "q_lora_rank", 24),
+    (lambda key: key in ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"), 8),
+    (lambda key: key == "sliding_window", 6), (lambda key: key in ("n_group", "topk_group"), 1),
+]
+#: What the name rules cannot derive: fields that must agree with the new depth or widths.
+_TINY_EXTRA = {"gpt_neo": {"attention_types": [[["global", "local"], 1]]}, "xlnet": {"d_head": 16},
+               "reformer": {"is_decoder": True}}
+
+
+def _tiny_fields(config: dict) -> dict:
+    """The fields of a default ``config`` dict to change for a tiny model, sub-configs (``text_config``) included."""
+    layers, mla = config.get("num_hidden_layers"), "qk_rope_head_dim" in config
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and "model_type" in value:
+            out[key] = {**value, **_tiny_fields(value)}
+        elif key == "per_layer_config" and value:  # Gemma 4: one full-attention layer of its own head width
+            out[key] = {"01": {**next(iter(value.values())), "head_dim": 32}}
+        elif mla and key == "head_dim":  # multi-head latent attention's rotary width
+            out[key] = 8
+        elif key in ("head_dim", "num_key_value_heads") and value is None:
+            out[key] = 16 if key == "head_dim" else 2
+        elif isinstance(value, int) and not isinstance(value, bool) and key.endswith(("_token_id", "token_index")):
+            if value >= 300:  # special tokens inside the tiny vocabulary
+                out[key] = 0 if key.startswith("pad") else 300 + len(out) % 20
+        elif isinstance(value, int) and not isinstance(value, bool):
+            new = next((size for test, size in _TINY if test(key)), None)
+            if new is not None and value > new:
+                out[key] = new
+        elif isinstance(value, list) and layers and len(value) == layers:  # one entry a layer
+            out[key] = value[:2]
+    return out
+
+
+def tiny_config(model_type: str):
+    """A tiny version of transformers' default config of ``model_type``: 2 layers, width 64, 4 heads (2 key / value
+    heads), a 320-token vocabulary, a few experts; derived per-layer lists rebuilt for the new depth."""
+    from transformers.models.auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    default = config_class().to_dict()
+    fields = {k: v for k, v in default.items() if k not in ("layer_types", "attention_layers")}
+    return config_class.from_dict({**fields, **_tiny_fields(default), **_TINY_EXTRA.get(model_type, {})})
+
+
+def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
+    """A tiny random causal LM of any ``model_type`` transformers knows (``tiny_config``), saved to ``folder`` without
+    a tokenizer, as a folder of weights alone."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+__all__ = ["FAMILIES", "TEXT", "save_family", "save_tiny", "tiny_config", "train_tokenizer"]

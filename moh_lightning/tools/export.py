@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch
 
-from moh_lightning.data.tokenizers import exported_tokenizer
+from moh_lightning.data.tokenizers import exported_tokenizer, load_tokenizer
+from moh_lightning.errors import MissingDataError
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     HFCausalLM,
@@ -18,6 +19,9 @@ from moh_lightning.models.llama import export_hf, from_hf
 from moh_lightning.tasks.checkpoints import load_language_model, one_line_errors
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: Files of which at least one is saved with any transformers tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
 
 
 def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
@@ -39,8 +43,6 @@ def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k
         dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
         router_dtype: Precision of the query-norm scores: float32, or activation (the authors' code).
     """
-    from transformers import AutoTokenizer
-
     if dtype is not None and dtype not in DTYPES:
         raise SystemExit(f"moh convert-hf: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out for "
                          f"the source's).")
@@ -52,18 +54,28 @@ def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k
         kept = kept if top_k is None else top_k
         moh = MoHConfig(num_shared_heads=shared, top_k=kept, router="query_norm", router_dtype=router_dtype)
         model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-    except (OSError, ValueError):
-        tokenizer = None  # a weights-only folder; pass the tokenizer to lm-eval separately
+    tokenizer = source_tokenizer(source)
     written_dtype = next(model.parameters()).dtype
     export_hf_causal(model, out, tokenizer, source=(
         f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` ({written_dtype}): "
         f"its weights and settings unchanged, the parameter-free query-norm router added ({shared} shared + top-"
         f"{kept} routed heads per layer). Not yet continue-tuned: the starting point of paper section 4.4."))
     print(f"wrote {out}: {type(model.hf).__name__}, {shared} shared + top-{kept} of {heads - shared} routed heads "
-          f"({(shared + kept) / heads:.0%} active), {str(written_dtype).removeprefix('torch.')}")
+          f"({(shared + kept) / heads:.0%} active), {str(written_dtype).removeprefix('torch.')}"
+          + ("" if tokenizer is not None else "; no tokenizer in the source: give lm-eval one (tokenizer=...)"))
     return out
+
+
+def source_tokenizer(source: str):
+    """The tokenizer saved beside the weights of ``source``; None for a folder of weights alone (some families'
+    tokenizer classes fail rather than say so when their vocabulary file is absent: CTRL's, BioGPT's)."""
+    folder = Path(source).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    try:
+        return load_tokenizer(source, key="source")
+    except (MissingDataError, ImportError):
+        return None  # a tokenizer this environment cannot build; the weights convert without it
 
 
 def convert_llama(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
@@ -163,4 +175,5 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False) -> str:
     return str(url)
 
 
-__all__ = ["DTYPES", "checkpoint_provenance", "convert_hf", "convert_llama", "export_checkpoint", "push_folder"]
+__all__ = ["DTYPES", "checkpoint_provenance", "convert_hf", "convert_llama", "export_checkpoint", "push_folder",
+           "source_tokenizer"]

@@ -12,7 +12,6 @@ reading the source's config.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -27,6 +26,9 @@ from moh_lightning.models.llama.network import decode
 
 #: ``config.json`` ``model_type`` of the folders this suite writes: any family (``hf_moh``) and MoH-LLaMA.
 MOH_MODEL_TYPES = ("moh", "moh_llama")
+#: Where a composite (vision / audio + text) checkpoint keeps its language model's weights, as the text family's names.
+_COMPOSITE_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
+                   r"^language_model\.lm_head\.": "lm_head."}
 #: Keyword arguments of the attention interface that the suite's head-sparse kernels do not compute.
 _FAMILY_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
 
@@ -142,7 +144,7 @@ def read_source_config(source: str) -> dict:
     budget; one written by ``moh convert-llama`` as a LLaMA config. Only ``config.json`` is read (a hub id downloads
     that file alone), so the shapes are known before anything is built.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     folder = Path(source).expanduser()
     if folder.is_dir():
@@ -150,7 +152,7 @@ def read_source_config(source: str) -> dict:
         if not file.is_file():
             raise FileNotFoundError(f"init_from={source!r}: no config.json in the folder; give a transformers model "
                                     f"folder (written by save_pretrained, moh convert-hf or moh export-hf).")
-        raw = json.loads(file.read_text())
+        raw = PretrainedConfig._dict_from_json_file(file)  # as transformers reads it: Infinity, NaN decoded
     else:
         try:
             raw = AutoConfig.from_pretrained(source, trust_remote_code=False).to_dict()
@@ -174,7 +176,24 @@ def family_config(raw: dict, source: str = "config"):
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{source}: model_type={model_type!r} is not a transformers model family; give a causal LM "
                          f"whose family transformers knows.")
-    return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in raw.items() if k not in ("auto_map",)})
+    return language_model_config(CONFIG_MAPPING[model_type].from_dict({k: v for k, v in raw.items()
+                                                                       if k not in ("auto_map",)}))
+
+
+def language_model_config(config):
+    """``config`` itself, or the text part of a composite (vision / audio + text) config such as Gemma 3's or Fuyu's:
+    MoH converts the language model inside, read from the composite's weights (``_from_pretrained``)."""
+    from transformers.models.auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return config
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"model_type={config.model_type!r}: its language model ({text.model_type!r}) has no "
+                         f"transformers causal LM class to convert it into; convert a text-only model.")
+    # Whether the output layer is the embedding is the composite's setting (MOSS's text part says no, its model yes).
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    return text
 
 
 def default_budget(num_heads: int) -> tuple[int, int]:
@@ -249,16 +268,22 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
         family.moh_top_k = top_k[0] if len(set(top_k)) == 1 else top_k
         family.moh_router, family.moh_router_dtype = "query_norm", moh.router_dtype
     dtype = dtype or torch.get_default_dtype()
-    if weights is None:
-        hf = AutoModelForCausalLM.from_config(family, attn_implementation=implementation, dtype=dtype)
-    else:
-        hf = _from_pretrained(weights, family, implementation, dtype)
+    try:
+        if weights is None:
+            hf = AutoModelForCausalLM.from_config(family, attn_implementation=implementation, dtype=dtype)
+        else:
+            hf = _from_pretrained(weights, family, implementation, dtype)
+    except KeyError as error:  # GPT-Neo, Falcon, GIT: a table of attention classes keyed by implementation name
+        if not str(error.args[0]).startswith("moh_"):
+            raise
+        raise ValueError(_bypasses_interface(_family_class(family).__name__)) from None
     if budget is not None:
         for layer, (shared, top_k) in zip(attention_layers(hf), budget, strict=True):
             heads = family.num_attention_heads
-            layer.moh_heads = InterfaceHeads(heads, getattr(family, "num_key_value_heads", None) or heads,
-                                             getattr(family, "head_dim", None) or family.hidden_size // heads, shared,
-                                             top_k, moh.router_dtype, moh.execution)
+            # The layer's own head width: Gemma 4's differs between its sliding and its full-attention layers.
+            head_dim = getattr(layer, "head_dim", None) or family.hidden_size // heads
+            layer.moh_heads = InterfaceHeads(heads, getattr(family, "num_key_value_heads", None) or heads, head_dim,
+                                             shared, top_k, moh.router_dtype, moh.execution)
     return HFCausalLM(hf)
 
 
@@ -273,13 +298,26 @@ def _family_class(config) -> type:
 def _from_pretrained(source: str, config, implementation: str | None, dtype: torch.dtype):
     """The family's model with the weights of ``source``, read by the family's own class (a MoH folder's remote code
     is this package's and never runs)."""
+    family_class = _family_class(config)
     try:
-        return _family_class(config).from_pretrained(source, config=config, attn_implementation=implementation,
-                                                     dtype=dtype)
+        hf, info = family_class.from_pretrained(source, config=config, attn_implementation=implementation,
+                                                dtype=dtype, output_loading_info=True)
+        if info["missing_keys"]:
+            # A composite's language model (language_model_config): its weights sit under a prefix of their own.
+            hf, info = family_class.from_pretrained(source, config=config, attn_implementation=implementation,
+                                                    dtype=dtype, output_loading_info=True, key_mapping=_COMPOSITE_KEYS)
+            # save_pretrained would write the weights back under the composite's names, which the text family does
+            # not read; without the record it saves as a model of the text family built here.
+            del hf._weight_conversions
     except OSError as error:
         reason = str(error).strip().splitlines()[0]
         raise OSError(f"init_from={source!r}: cannot load its weights ({reason}); give a local folder with "
                       f"config.json and weights, or a hub id reachable from here.") from None
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"init_from={source!r}: {len(missing)} weights of {family_class.__name__} are not in it "
+                         f"({missing[0]}, ...); give a folder of this family's causal LM.")
+    return hf
 
 
 __all__ = ["HFCausalLM", "InterfaceHeads", "MOH_MODEL_TYPES", "attention_layers", "build_hf_causal",

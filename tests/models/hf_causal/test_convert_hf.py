@@ -157,3 +157,33 @@ def test_head_sparse_execution_computes_the_masked_logits():
             torch.testing.assert_close(sparse.eval()(idx), masked.eval()(idx), atol=1e-5, rtol=1e-5)
             assert torch.equal(sparse.generate(idx[:, :5], 10, temperature=0),
                                masked.generate(idx[:, :5], 10, temperature=0))
+
+
+#: Families of the installed transformers that once ended ``convert-hf`` in a traceback, each standing for a kind
+#: (``results/hf_families.py`` converts every family): a composite's language model under ``text_config`` (Gemma 3),
+#: per-layer head widths (Gemma 4), an infinite config value (Falcon-H1), a folder without a tokenizer whose family's
+#: tokenizer class fails on it (CTRL).
+CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl")
+
+
+@pytest.mark.parametrize("model_type", CONVERTED_EXACTLY)
+def test_a_family_of_each_kind_converts_with_the_source_logits(model_type, tmp_path):
+    from hf_families import save_tiny
+
+    source = save_tiny(model_type, tmp_path / "source")
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "all"), "--num_shared_heads", "2",
+         "--top_k", "2"])
+    original = AutoModelForCausalLM.from_pretrained(source).eval()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "all", trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(converted(input_ids=_ids()).logits, original(input_ids=_ids()).logits)
+
+
+def test_a_family_that_picks_its_attention_class_by_name_is_one_line(tmp_path):
+    """GIT looks its attention class up by implementation name (``KeyError: 'moh_eager'`` once)."""
+    from hf_families import save_tiny
+
+    source = save_tiny("git", tmp_path / "source")
+    with pytest.raises(SystemExit, match=r"^moh convert-hf: GitForCausalLM: its attention does not go through "
+                                         r"transformers' attention interface, [^\n]*\.$"):
+        moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "out")])
