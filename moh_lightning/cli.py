@@ -323,6 +323,9 @@ class MoHLightningCLI(LightningCLI):
         init_args = getattr(logger, "init_args", None)
         if init_args is not None and "name" in init_args and init_args.name is None:
             init_args.name = self.run_name or "default"
+        # Before `last` is compared with the run it would continue, whose config.yaml holds the source's network.
+        _tokenizer_of_init_from(config)
+        self._network_of_init_from(config)
         if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
             self._resume_last(config, init_args)
         if self.subcommand in EVALUATIONS and init_args is not None:
@@ -330,8 +333,6 @@ class MoHLightningCLI(LightningCLI):
         if init_args is not None and not logs_in_folders(logger) and config.trainer.get("default_root_dir") is None:
             folder = next_version(run_root(logger, self.run_name or "default"))  # a new run of such a logger
             use_run_folder(config, folder, f"{folder.parent.name}/{folder.name}")
-        _tokenizer_of_init_from(config)
-        self._network_of_init_from(config)
         accelerator = config.trainer.get("accelerator")
         if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             raise SystemExit(f"moh: trainer.accelerator={accelerator} but this machine has no CUDA GPU; run the same "
