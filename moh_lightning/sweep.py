@@ -78,7 +78,7 @@ def sweep(
         cpus_per_trial: int | None = None,
         gpus_per_trial: float = 0,
         retry_failed: bool = True,
-        reuse_workers: bool = False,
+        reuse_workers: bool = True,
         extra_args: Sequence[str] = (),
 ) -> Path:
     """Run one `moh fit` config over a grid of overrides × seeds on Ray Tune; write a table and a plot.
@@ -120,8 +120,9 @@ def sweep(
         gpus_per_trial: GPUs Ray reserves per trial (configs with `trainer.accelerator: gpu`).
         retry_failed: On a restart, run the trials that failed again.
         reuse_workers: Run trials one after another in the same Ray worker process (Tune's `reuse_actors`),
-            each seeded afresh by its own `moh fit`; saves the ~10 s of imports per trial. False: a fresh
-            process per trial, so no state at all carries over from one trial to the next.
+            each seeded afresh by its own `moh fit`, with the compiler's caches cleared; saves the ~12 s a fresh
+            process costs per trial (results/sweep_overhead.md). False: a fresh process per trial, so no state at
+            all carries over from one trial to the next.
         extra_args: Further `moh fit` arguments given to every trial, before the cell's overrides
             (e.g. `["--trainer.max_steps", "200"]`).
     """
@@ -570,6 +571,7 @@ def _trainable(config: dict, fit_config: str, runs: str, stop_file: str, cwd: st
     import torch
 
     torch.set_num_threads(threads)
+    torch._dynamo.reset()  # a reused worker: the last trial's graphs would count against this one's recompile limit
     args = fit_args(fit_config, extra_args, trial["overrides"], trial["seed"], runs, trial["name"])
     try:
         with _capture_trainer(stop) as captured:
