@@ -44,7 +44,7 @@ from moh_lightning.callbacks import (
     StepCheckpoint,
 )
 from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
-from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows
+from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows, run_folder
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.configs import expand_config
 from moh_lightning.errors import UsageError
@@ -66,6 +66,7 @@ from moh_lightning.settings import (
     compare_with_checkpoint,
     flat,
     typed_model_keys,
+    with_run_config,
 )
 from moh_lightning.tasks.base import MoHTask
 from moh_lightning.tasks.language_model import source_arch
@@ -213,6 +214,8 @@ class MoHLightningCLI(LightningCLI):
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         from_command_line = args is None
         given = list(sys.argv[1:] if from_command_line else args)
+        if given[:1] and given[0] in EVALUATIONS:
+            given = [given[0], *with_run_config(given[0], given[1:], _CONFIG_FLAGS)]
         self.run_name = run_name(given)
         with threads_restored():  # set for forked processes once the trainer exists; this process keeps its own
             super().__init__(
@@ -369,6 +372,19 @@ class MoHLightningCLI(LightningCLI):
         if not is_overridden("test_step", self.model):
             raise SystemExit(f"moh test: {type(self.model).__name__} has no test split to score; `moh validate` "
                              f"scores its validation split.")
+
+    def after_validate(self) -> None:
+        self._say_where_it_wrote()
+
+    def after_test(self) -> None:
+        self._say_where_it_wrote()
+
+    def _say_where_it_wrote(self) -> None:
+        """One line naming the folder that holds this evaluation's metrics and head load (none without a logger)."""
+        folder = run_folder(self.trainer)
+        if folder is not None and self.trainer.is_global_zero:
+            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
+            print(f"moh {self.subcommand}: metrics and head load in {shown}")
 
     def _resume_last(self, config, logger_args) -> None:
         """Points ``ckpt_path`` at this run name's newest checkpoint that loads, if any, and the logger at that run

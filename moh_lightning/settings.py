@@ -7,7 +7,9 @@ network otherwise, the checkpoint's settings hold, and one line at the start say
 data module passes on (``img_size``, ``num_classes``), that the trained weights cannot take stops the run in one line
 naming it, the checkpoint's value and yours, before anything is written. The head budget a token uses
 (``arch.moh.top_k``) and how heads are executed are free at evaluation, and a run that differs there says so in one
-line at its start ("evaluating at top_k 4; trained at 2").
+line at its start ("evaluating at top_k 4; trained at 2"). An evaluation given a checkpoint and no ``--config``
+reads the run's own ``config.yaml`` for the rest (``with_run_config``), as litgpt reads the config saved beside
+every checkpoint.
 """
 from __future__ import annotations
 
@@ -55,6 +57,40 @@ def checkpoint_settings(subcommand: str, ckpt_path: str, class_path: str | None)
     return dict(hparams)
 
 
+def with_run_config(subcommand: str, args: list[str], config_flags: tuple[str, ...]) -> list[str]:
+    """``args`` (after the subcommand) with ``--config <run>/config.yaml`` first when they name a checkpoint file
+    (``--ckpt_path``) and no config: the checkpoint sits in ``<run>/checkpoints/`` (a sweep trial's run folder
+    included), the config its ``moh fit`` wrote beside them, which holds the data and the trainer a checkpoint does
+    not. A checkpoint without one stops in one line saying to give ``--config``."""
+    given = dict(_options(args))
+    if any(flag in given for flag in config_flags) or "--ckpt_path" not in given:
+        return args
+    ckpt_path = given["--ckpt_path"]
+    if ckpt_path.split(":")[0] in _NAMED_CHECKPOINTS or "://" in ckpt_path:
+        raise SystemExit(f"moh {subcommand}: --ckpt_path {ckpt_path} needs --config (the run it names comes from the "
+                         f"config); or give the checkpoint's file, whose run folder's config.yaml is then read.")
+    checkpoint_settings(subcommand, ckpt_path, None)  # a missing file, or no checkpoint of the suite: one line
+    config = Path(ckpt_path).parent.parent / "config.yaml"
+    if not config.is_file():
+        raise SystemExit(f"moh {subcommand}: --ckpt_path {ckpt_path} is not in a run folder with a config.yaml "
+                         f"(<run>/checkpoints/<file> beside <run>/config.yaml) to read the data and trainer from; give "
+                         f"the config it was trained with: --config <yaml>.")
+    return ["--config", str(config), *args]
+
+
+def _options(args: list[str]) -> list[tuple[str, str]]:
+    """``(flag, value)`` of each ``--flag value`` / ``--flag=value`` in ``args`` (value "" for a bare flag)."""
+    out, i = [], 0
+    while i < len(args):
+        flag, sep, value = args[i].partition("=")
+        if not sep and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, i = args[i + 1], i + 1
+        if flag.startswith("-"):
+            out.append((flag, value))
+        i += 1
+    return out
+
+
 def flat(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config (dicts, dataclasses, namespaces) as ``{"moh.top_k": 2, ...}``."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -72,11 +108,8 @@ def flat(value: Any, prefix: str = "") -> dict[str, Any]:
 def typed_model_keys(args: list[str]) -> list[str]:
     """The ``model.init_args`` keys that command-line options name (``--model.init_args.arch.moh.top_k 4``:
     ``arch.moh.top_k``; a mapping value names each of its keys), the ``--config`` files' left out."""
-    keys, i = [], 0
-    while i < len(args):
-        flag, sep, value = args[i].partition("=")
-        if not sep and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value, i = args[i + 1], i + 1
+    keys = []
+    for flag, value in _options(args):
         if flag.startswith("--model.init_args."):
             key = flag.removeprefix("--model.init_args.")
             try:
@@ -84,7 +117,6 @@ def typed_model_keys(args: list[str]) -> list[str]:
             except yaml.YAMLError:
                 parsed = None
             keys += [f"{key}.{name}" for name in flat(parsed)] if isinstance(parsed, dict) and parsed else [key]
-        i += 1
     return keys
 
 
@@ -139,4 +171,4 @@ def _run_config_hint(ckpt_path: str) -> str:
 
 
 __all__ = ["FREE_KEYS", "LINKED_SIZES", "checkpoint_settings", "compare_with_checkpoint", "flat",
-           "typed_model_keys"]
+           "typed_model_keys", "with_run_config"]

@@ -33,11 +33,25 @@ def load_tokenizer(name: str, key: str = "tokenizer"):
     try:
         # A tokenizer runs no custom code here; the folders `moh convert-hf` / `export-hf` write hold a model's remote
         # code beside the tokenizer, which transformers would otherwise ask about, stopping a run at a prompt.
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False, config=_moh_family_config(name))
     except (OSError, ValueError) as error:
         # transformers' messages run over several lines; the first says what failed.
         reason = str(error).strip().splitlines()[0].rstrip(" :")
         raise MissingDataError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None
+
+
+def _moh_family_config(name: str):
+    """The family's config of a folder ``moh convert-hf`` / ``export-hf`` / ``convert-llama`` wrote (``model_type``
+    ``moh`` / ``moh_llama``), None for any other. Without it, transformers reads such a ``config.json`` without the
+    remote code that defines its type, falls back to a config of no type and warns that a ``moh`` model instantiates
+    a model of type ``""`` ("can yield errors"), when only the tokenizer is read."""
+    from moh_lightning.models.hf_causal.network import MOH_MODEL_TYPES, family_config
+
+    file = Path(name).expanduser() / "config.json"
+    if not file.is_file():
+        return None
+    raw = json.loads(file.read_text())
+    return family_config(raw, name) if raw.get("model_type") in MOH_MODEL_TYPES else None
 
 
 def tokenizer_identity(name: str, tokenizer) -> str:

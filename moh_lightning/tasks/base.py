@@ -188,6 +188,9 @@ class MoHTask(LightningModule):
         # The same on every rank; synced only so that Lightning does not warn about an unsynced epoch metric.
         self.log("val/activated_heads", activated_head_fraction(self.model), sync_dist=True)
 
+    def on_test_epoch_end(self) -> None:
+        self.log("test/activated_heads", activated_head_fraction(self.model), sync_dist=True)
+
     def on_fit_start(self) -> None:
         if not isinstance(self.trainer.strategy, FSDPStrategy):
             return

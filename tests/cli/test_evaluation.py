@@ -119,3 +119,35 @@ def test_a_checkpoint_of_other_shapes_stops_in_one_line_and_another_budget_is_sa
     assert ("moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k); the checkpoint's network, "
             "not the config's: patch_size 4 (config: 8)") in capsys.readouterr().err
     assert _metrics(run, "validate-last-2")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads
+
+
+def test_a_sweep_trials_checkpoint_evaluates_with_no_config(run_dir, write_image_folder, capsys):
+    """A sweep trial's checkpoint (16 pixels, patch 4, top-2; its config.yaml written by the trial's `moh fit`)
+    evaluated with `--ckpt_path` alone: the run's own config.yaml gives its data and trainer; the test logs its head
+    load and says where; another budget is typed and said; a checkpoint outside a run folder stops in one line."""
+    write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
+    shutil.copytree(run_dir / "data/val", run_dir / "data/test")
+    main(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--trainer.max_steps", "1",
+          "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar",
+          "false", "--data.init_args.img_size", "16", "--model.init_args.arch.patch_size", "4",
+          "--model.init_args.arch.depth", "2", "--model.init_args.arch.moh.top_k", "2",
+          "--trainer.logger.init_args.save_dir", "sweeps/heads/runs", "--trainer.logger.init_args.name",
+          "moh=k2-seed=0"])
+    run = run_dir / "sweeps/heads/runs/moh=k2-seed=0/version_0"
+    checkpoint = str(run.relative_to(run_dir) / "checkpoints/last.ckpt")
+    capsys.readouterr()
+    main(["test", "--ckpt_path", checkpoint, "--trainer.enable_progress_bar", "false"])
+    said = capsys.readouterr()
+    assert "moh: evaluating" not in said.err and "not the config's" not in said.err
+    assert "moh test: metrics and head load in sweeps/heads/runs/moh=k2-seed=0/version_0/eval/test-last" in said.out
+    assert (run / "eval" / "test-last" / "head_load" / "loads.json").is_file()
+
+    main(["validate", "--ckpt_path", checkpoint, "--model.init_args.arch.moh.top_k", "4", "--trainer.logger",
+          "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"])
+    assert "moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k)" in capsys.readouterr().err
+    assert _metrics(run, "validate-last")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads
+
+    shutil.copy(checkpoint, "alone.ckpt")
+    message = _one_line(["test", "--ckpt_path", "alone.ckpt"])
+    assert "not in a run folder with a config.yaml" in message and "--config <yaml>" in message
+    assert not (run_dir / "runs").exists()

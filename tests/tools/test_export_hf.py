@@ -157,8 +157,8 @@ def test_exported_query_norm_router_scores_in_the_suites_precision(router_dtype,
 
 @pytest.mark.parametrize("moh_config", [MoHConfig(num_shared_heads=4, top_k=2), None], ids=["moh", "dense"])
 def test_model_card_snippet_loads_a_byte_tokenizer_that_encodes_as_the_suite(moh_config, tmp_path, monkeypatch):
-    """The card's code runs without a question and without remote code for the tokenizer, whose plain call gives the
-    suite's ids and whose decoding gives the text back."""
+    """The card's code runs without a question, its tokenizer given the model's config (so no remote code or `moh`
+    type is read for it); its plain call gives the suite's ids and its decoding the text back."""
     import tokenizers
     from transformers.models.auto import configuration_auto
 
@@ -177,7 +177,7 @@ def test_model_card_snippet_loads_a_byte_tokenizer_that_encodes_as_the_suite(moh
     monkeypatch.setattr(configuration_auto, "resolve_trust_remote_code", record)
     scope = {}
     exec(snippet, scope)  # the card's own code: model, tokenizer, greedy generate
-    assert not asked and trusted == ([True, False] if moh_config else [])  # model, then tokenizer
+    assert not asked and trusted == ([True] if moh_config else [])  # the model; the tokenizer takes its config
     tokenizer, suite = scope["tokenizer"], load_tokenizer("byte")
     assert isinstance(tokenizer, PreTrainedTokenizerFast)
     raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))

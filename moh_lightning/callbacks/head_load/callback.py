@@ -113,11 +113,26 @@ class HeadLoadCallback(Callback):
                                             _num_timesteps(pl_module))
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
+        if not trainer.sanity_checking:
+            self._close_evaluation(trainer, pl_module, "validation", "val")
+
+    # `moh test` measures the head load of its split as `moh validate` does, into its own run folder.
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_validation_epoch_start(trainer, pl_module)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_evaluation(trainer, pl_module, "test", "test")
+
+    def _close_evaluation(self, trainer: Trainer, pl_module: LightningModule, split: str, tag: str) -> None:
+        """Saves the validation's or test's head load (``split``) in the run folder and logs its heatmaps under
+        ``head_load/heatmap_<tag>``."""
         snapshot = self.counter.close_validation(
             trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, self._run,
-            lambda kind, count: _group_labels(trainer, pl_module, kind, count))
+            lambda kind, count: _group_labels(trainer, pl_module, kind, count), split)
         if snapshot is None:
             return
         folder = _head_load_folder(trainer)
@@ -126,7 +141,7 @@ class HeadLoadCallback(Callback):
         loads_file = snapshot.save(folder)
         for logger in trainer.loggers:
             adapter(logger).loads_saved(loads_file)
-        self._log_image(trainer, "head_load/heatmap_val", layer_card(snapshot), folder / "layers.png")
+        self._log_image(trainer, f"head_load/heatmap_{tag}", layer_card(snapshot), folder / "layers.png")
         for layer, group in snapshot.group_views():
             name = f"{group.kind}_layer_{group.layer:02d}"
             self._log_image(trainer, f"head_load/per_{name}", group_card(layer, group, self.max_groups),

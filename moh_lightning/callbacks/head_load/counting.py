@@ -222,8 +222,10 @@ class HeadLoadCounter:
         return reduce(counts, reduce_op="sum"), reduce(tokens, reduce_op="sum")
 
     def close_validation(self, reduce: Reduce, step: int, epoch: int, run: str,
-                         labels: Callable[[str, int], list[str]]) -> HeadLoadSnapshot | None:
-        """The validation's snapshot, None when nothing was counted; ``labels(kind, count)`` names the groups."""
+                         labels: Callable[[str, int], list[str]], split: str = "validation"
+                         ) -> HeadLoadSnapshot | None:
+        """The validation's snapshot (or the test's, ``split``), None when nothing was counted; ``labels(kind,
+        count)`` names the groups."""
         if not self._val.selected:
             return None
         loads = self._val.reduced(reduce)
@@ -235,7 +237,7 @@ class HeadLoadCounter:
             groups.append(GroupLoad(layer=index, kind=kind, labels=labels(kind, len(load)),
                                     load=[[round(v, 6) for v in row] for row in load.tolist()],
                                     tokens=tokens.tolist()))
-        self.last_val = self._snapshot(loads, step, epoch, run, "validation", groups)
+        self.last_val = self._snapshot(loads, step, epoch, run, split, groups)
         return self.last_val
 
     # --------------------------------------------------------------------------------------------------- snapshot

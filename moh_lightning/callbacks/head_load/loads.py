@@ -69,7 +69,7 @@ class HeadLoadSnapshot:
 
     step: int
     epoch: int
-    split: str                 # "validation" or "train"
+    split: str                 # "train", "validation" or "test"
     layers: list[LayerLoad]
     groups: list[GroupLoad] = field(default_factory=list)
     run: str = ""

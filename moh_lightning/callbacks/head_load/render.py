@@ -66,10 +66,9 @@ def layer_grid(snapshot: HeadLoadSnapshot, title: str | None = None) -> Grid:
             else:
                 ratio[row, head] = layer.load[head] / layer.balanced
                 text[row][head] = _format_load(layer.load[head])
-    where = "validation" if snapshot.split == "validation" else "train"
     return Grid(ratio=ratio, text=text, grey=grey, row_labels=[f"L{layer.index}" for layer in layers],
                 col_labels=[str(h) for h in range(heads)],
-                title=title or f"Head load · {where} · step {snapshot.step}",
+                title=title or f"Head load · {snapshot.split} · step {snapshot.step}",
                 legend="% of tokens · S = shared · red busier, blue idler than even",
                 xlabel="head", ylabel="layer")
 

@@ -57,6 +57,9 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
     heads = config.num_attention_heads
     total = heads * len(attention_layers(model.hf))
     remote = ", trust_remote_code=True" if layers else ""
+    # AutoTokenizer reads config.json first: without the model's config it would ask whether to run the remote code,
+    # or, refused it, warn that a `moh` model instantiates a model of no type.
+    local = ", config=model.config" if layers else ""
     if layers:
         active = sum(layer.active_heads for layer in layers)
         what = (f"A `{type(model.hf).__name__}` with Mixture-of-Head attention (MoH, Jin et al., ICML 2025, arXiv "
@@ -74,7 +77,7 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
         budget = [f"Dense: all {total} heads."]
     usage = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'model = AutoModelForCausalLM.from_pretrained("{name}"{remote})',
-             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
+             f'tokenizer = AutoTokenizer.from_pretrained("{name}"{local})', "```", "",
              f"lm-eval: `lm_eval --model hf --model_args pretrained={name}{remote.replace(', ', ',')} --tasks sciq`"]
     header = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- moh",
               "- mixture-of-head-attention", *(["- custom_code"] if layers else []), "---", ""]

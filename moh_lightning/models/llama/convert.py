@@ -206,8 +206,9 @@ def model_card(config: LlamaConfig, source: str, name: str, tokenizer_note: str 
                     f"({config.num_kv_heads} key/value heads), SwiGLU {config.intermediate_size}, RMSNorm eps "
                     f"{config.norm_eps:g}, rotary base {config.rope_base:g}, vocabulary {config.vocab_size}, "
                     f"context {config.block_size}, {'tied' if config.tie_embeddings else 'untied'} embeddings.")
-    # AutoTokenizer reads config.json first and would ask whether to run the model's remote code.
-    local = ", trust_remote_code=False" if moh is not None else ""
+    # AutoTokenizer reads config.json first: without the model's config it would ask whether to run the remote code,
+    # or, refused it, warn that a `moh_llama` model instantiates a model of no type.
+    local = ", config=model.config" if moh is not None else ""
     usage = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'model = AutoModelForCausalLM.from_pretrained("{name}"{remote})',
              f'tokenizer = AutoTokenizer.from_pretrained("{name}"{local})',

@@ -127,7 +127,8 @@ def test_a_pretrained_model_reads_its_own_tokenizer_by_default(run_dir, capsys):
 def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_sources_keys(run_dir, capsys):
     """A converted 2 shared + top-1 folder continue-tuned with `top_k 2` typed: 2 shared + top-2 (once 0 shared +
     top-2, exported as `moh_num_shared_heads: 0`), and the run's config.yaml records the source's shapes (once the
-    defaults: depth 12, embed_dim 768) and evaluates its checkpoint with no line about another network."""
+    defaults: depth 12, embed_dim 768) and evaluates its checkpoint, with no config given, with no line about
+    another network."""
     save_family("phi3", run_dir / "source")
     moh(["convert-hf", "--source", "source", "--out", "converted", "--num_shared_heads", "2", "--top_k", "1"])
     (run_dir / "my.txt").write_text(TEXT * 20)
@@ -143,10 +144,10 @@ def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_s
     written = json.loads((run_dir / "exported" / "config.json").read_text())
     assert (written["moh_num_shared_heads"], written["moh_top_k"]) == (2, 2)
     capsys.readouterr()
-    moh(["validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
-         "--trainer.enable_progress_bar", "false"])
-    said = capsys.readouterr().err
-    assert "moh: evaluating" not in said and "not the config's" not in said
+    moh(["validate", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"), "--trainer.enable_progress_bar", "false"])
+    said = capsys.readouterr()
+    assert "moh: evaluating" not in said.err and "not the config's" not in said.err
+    assert f"moh validate: metrics and head load in {run / 'eval' / 'validate-last'}" in said.out
 
 
 @pytest.mark.slow

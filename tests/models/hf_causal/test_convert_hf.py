@@ -5,6 +5,8 @@ stops in one line."""
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from hf_families import FAMILIES, save_family
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moh_lightning.cli import main as moh
+from moh_lightning.data.tokenizers import load_tokenizer
 from moh_lightning.layers import QueryNormRouter, moh_layers
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import build_hf_causal, hf_moh, read_source_config
@@ -187,3 +190,26 @@ def test_a_family_that_picks_its_attention_class_by_name_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^moh convert-hf: GitForCausalLM: its attention does not go through "
                                          r"transformers' attention interface, [^\n]*\.$"):
         moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "out")])
+
+
+def test_the_suites_loads_of_a_converted_folder_warn_of_no_other_model_type(tmp_path):
+    """`load_tokenizer` and `moh generate --hf_folder` of a `convert-hf` folder (model_type `moh`): transformers once
+    warned "You are using a model of type `moh` to instantiate a model of type ``... can yield errors", AutoTokenizer
+    having read its config.json without the remote code that defines `moh`."""
+    save_family("llama", tmp_path / "source")
+    folder = str(tmp_path / "converted")
+    moh(["convert-hf", "--source", str(tmp_path / "source"), "--out", folder])
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_log = logging.getLogger("transformers")  # every transformers module logs below it
+    transformers_log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_tokenizer(folder)
+            moh(["generate", "--hf_folder", folder, "--prompt", "def", "--max_new_tokens", "2"])
+    finally:
+        transformers_log.removeHandler(handler)
+    said = [record.getMessage() for record in records] + [str(warning.message) for warning in caught]
+    assert [line for line in said if "to instantiate a model of type" in line] == []
