@@ -33,7 +33,8 @@ def timed_sweep(work: Path, trials: int, reuse: bool) -> tuple[float, list[float
     out = work / f"sweep_{trials}_{reuse}"
     seeds = list(range(trials))
     args = [sys.executable, "-m", "moh_lightning.cli", "sweep", "--fit_config", FIT_CONFIG,
-            "--seeds", json.dumps(seeds), "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", str(reuse).lower(),
+            "--seeds", json.dumps(seeds), "--out", str(out), "--cpus_per_trial", "1",
+            "--reuse_workers", str(reuse).lower(),
             "--extra_args", json.dumps(["--config", str(work / "tiny.yaml")])]
     start = time.perf_counter()
     subprocess.run(args, cwd=work, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
