@@ -264,7 +264,11 @@ class _Watch:
             if self.store is not None and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + _POLL_S
                 # Nothing is left to save (saving needs every rank) nor to wait for.
-                self._elsewhere = _ended_elsewhere(self.store, self.trainer.interrupted)
+                try:
+                    self._elsewhere = _ended_elsewhere(self.store, self.trainer.interrupted)
+                except _NoAnswerYet:
+                    with suppress(RuntimeError):  # (refused: the next poll finds the store gone)
+                        self.store = _run_store()  # a client whose request timed out may read that late answer next
                 if self._elsewhere:
                     self._end(self._elsewhere)
 
@@ -407,13 +411,25 @@ def _missing_ranks(store: dist.Store, rank: int, world_size: int) -> list[int]:
         return [0]
 
 
+class _NoAnswerYet(Exception):
+    """The run's store did not answer within ``_STORE_TIMEOUT``: slow (rank 0's machine fully loaded), not gone."""
+
+
 def _ended_elsewhere(store: dist.Store, leaving: bool) -> str | None:
-    """Why the run ended on another rank, if it did: its message in the store, or a store that no longer answers
-    while this rank is not ``leaving`` itself (past its last step boundary, or failed: rank 0 may end first)."""
+    """Why the run ended on another rank, if it did: its message in the store, or a store whose connection is gone
+    while this rank is not ``leaving`` itself (past its last step boundary, or failed: rank 0 may end first).
+
+    A request that timed out raises ``_NoAnswerYet``: a lost rank 0 closes its connections at once (its process or
+    node is gone, the kernel resets them), and one that hangs is found by the collective timeout instead.
+    """
     try:
         return store.get("stop").decode() if store.check(["stop"]) else None
-    except RuntimeError:
-        return None if leaving else "rank 0, which holds the run's store, is gone"
+    except RuntimeError as error:
+        if leaving:
+            return None
+        if "timeout" in str(error).lower() or "timed out" in str(error).lower():
+            raise _NoAnswerYet from error
+        return "rank 0, which holds the run's store, is gone"
 
 
 def _tell_the_run(store: dist.Store, why: str) -> None:

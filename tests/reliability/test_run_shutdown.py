@@ -233,3 +233,24 @@ def test_the_watchdog_idles_at_zero_cpu(monkeypatch, with_store):
     finally:
         watch.close()
     assert used < 0.15, f"the watchdog used {used:.2f} CPU seconds in 3 s of waiting"
+
+
+class _SlowStore:
+    """A run store whose requests fail as a client's do: ``error`` raised by every request."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def check(self, keys):
+        raise self.error
+
+
+def test_a_store_that_answers_late_is_not_taken_for_a_lost_rank_0():
+    # Under full load rank 0 may answer a poll after the client's timeout: that rank is slow, not gone (a lost
+    # node's connections close at once), and taking it for gone ended a healthy rank with exit code 1.
+    with pytest.raises(watchdog._NoAnswerYet):
+        watchdog._ended_elsewhere(_SlowStore(RuntimeError("Socket Timeout")), leaving=False)
+    closed = RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+    gone = watchdog._ended_elsewhere(_SlowStore(closed), leaving=False)
+    assert gone == "rank 0, which holds the run's store, is gone"
+    assert watchdog._ended_elsewhere(_SlowStore(closed), leaving=True) is None
