@@ -30,7 +30,8 @@ def test_quick_parity_rows_and_page(run_dir, capsys, monkeypatch):
     assert profile["parts"]["data"] > 0 and profile["bare_parts"]["data"] == 0
     assert "HeadLoadCallback" in profile["callbacks"] and "StepClock" not in profile["callbacks"]
     total = sum(profile["parts"].values()) + sum(c["ms"] for c in profile["callbacks"].values())
-    assert total == pytest.approx(profile["period_ms"])
+    assert total == pytest.approx(profile["period_ms"]) and profile["period"] == [1, 2]
+    assert sum(profile["bare_parts"].values()) == pytest.approx(profile["bare_ms"])
     text = (run_dir / "out/parity.md").read_text()
     assert "| vit_tiny_mnist_75 | ImageClassifier | 128 | 1-2 |" in text
     assert "## Where the gap is: vit_tiny_mnist_75" in text and "callback `HeadLoadCallback`" in text
@@ -57,18 +58,23 @@ def test_breakdown_takes_nested_hooks_out_of_their_parts():
     assert parts["backward"] == pytest.approx(48.0)  # 50 less the hook inside it
     assert parts["optimizer"] == pytest.approx(100 - 30 - 50 - 1 + 0.5)
     assert split["callbacks"]["Heads"] == {"ms": pytest.approx(20.0), "hook": "on_train_batch_end", "calls": 10,
-                                           "longest_ms": pytest.approx(190.0)}
+                                           "longest_ms": pytest.approx(190.0), "hook_ms": pytest.approx(20.0)}
     assert split["callbacks"]["Guard"]["ms"] == pytest.approx(3.0) and "StepClock" not in split["callbacks"]
     assert parts["rest"] == pytest.approx(130 - 6 - 30 - 48 - 19.5 - 20 - 3)
 
 
 def test_step_is_the_median_logging_period_so_a_spell_of_load_falls_out():
-    stamps = [0.0]
+    wall = [0.0]
     for step in range(40):
-        stamps.append(stamps[-1] + (0.3 if step % 10 == 9 else 0.1) + (2.0 if step == 15 else 0.0))
-    # Every 10th step logs (0.3 s); one step of the second period waited 2 s for the machine.
-    assert parity.step_ms(stamps, 0, 40, 10) == pytest.approx(120.0)
-    assert parity.window(stamps, 0, 40)[15] == pytest.approx(2.1)
+        wall.append(wall[-1] + (0.3 if step % 10 == 9 else 0.1) + (2.0 if step == 15 else 0.0))
+    # Every 10th step logs (0.3 s); one step of the second period waited 2 s for the machine; the CPU clock did not.
+    record = {"wall": wall, "cpu": [t / 2 for t in wall]}
+    bounds = parity.periods(0, 40, 10)
+    assert bounds == [0, 10, 20, 30, 40] and parity.periods(5, 3, 10) == [5, 8]
+    assert parity.period_means(wall, bounds)[1] == pytest.approx(0.32)
+    timed = parity.timings(record, bounds)
+    assert timed["ms"] == pytest.approx(120.0) and timed["cpu_ms"] == pytest.approx(60.0)
+    assert timed["median_ms"] == pytest.approx(100.0) and timed["mean_ms"] == pytest.approx(170.0)
 
 
 def test_late_start_is_the_ema_start_of_the_dit_recipe():

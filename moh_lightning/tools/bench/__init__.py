@@ -37,7 +37,7 @@ from moh_lightning.tools.bench.timing import Clock
 DEFAULTS = {"quick": False, "repeats": 5, "warmup": 2, "models": True, "compiled": True, "threads": None,
             "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False, "loader": False,
             "loader_workers": None, "loader_data": None, "loader_batches": 20, "parity": False,
-            "parity_configs": None, "parity_repeats": 3, "parity_steps": 40, "parity_profile": True}
+            "parity_configs": None, "parity_repeats": 3, "parity_steps": 60, "parity_profile": True}
 
 
 def default_output(name: str) -> Path:
@@ -50,7 +50,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
           clock: str = "wall", compile_backend: str = "inductor", steps: bool = False, loader: bool = False,
           loader_workers: list[int] | None = None, loader_data: str | None = None, loader_batches: int = 20,
           parity: bool = False, parity_configs: list[str] | None = None, parity_repeats: int = 3,
-          parity_steps: int = 40, parity_profile: bool = True) -> Path:
+          parity_steps: int = 60, parity_profile: bool = True) -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Prints each section as it starts and ends, rewrites the page after each (a stopped bench leaves what it

@@ -5,9 +5,9 @@ network, batch, optimizer and loss, for each task's embedded CPU default; Lightn
 ``moh fit`` runs as a user runs it, a process of its own (``python -m moh_lightning.cli fit``), with validation and
 the progress bar off, on the CPU, and one callback more: ``StepClock`` notes when each training batch starts. The
 window is ``steps`` batches after ``WARMUP`` (and after any callback that starts late: the DiT recipe's EMA from step
-400); the step is the median, over the window's logging periods (``log_every_n_steps`` batches, each holding one
-logging window), of their mean time between batch starts (``step_ms``): what comes every logging window counts, and
-a spell of load from other work on the machine falls in a period or two, not in the median. The bare loop runs in a
+400), cut into logging periods (``log_every_n_steps`` batches, each holding one logging window); the step is the
+mean time between batch starts in the median period (``timings``): what comes every logging window counts, and a
+spell of load from other work on the machine falls in a period or two, not in the median one. The bare loop runs in a
 fresh process too (``python -m moh_lightning.tools.bench.parity bare``): the task and data module that run saved in
 its last checkpoint, the optimizer and scheduler of the task's ``configure_optimizers`` (a Lightning ``fit`` of no steps
 builds them), one batch of the real loader kept in memory, and per step the task's ``training_step`` (its loss and
@@ -16,9 +16,10 @@ the load-balance term; ``self.log`` a no-op), ``zero_grad``, ``backward``, the r
 loop; its ratio is fit / bare, and the page gives the median over the repeats and their range.
 
 One more ``moh fit`` per config runs with Lightning's ``SimpleProfiler`` over the same window (``quick``: the timed
-run itself), which splits its step into the data, ``training_step``, ``backward``, the optimizer, each callback and
-the rest (Lightning's loop and the logging outside ``training_step``), beside the bare loop's own parts. Rows go to
-``parity.json`` (one per config, a later row of the same config replacing it) and the page ``parity.md`` beside it.
+run itself); its median period splits into the data, ``training_step``, ``backward``, the optimizer, each callback
+and the rest (Lightning's loop and the logging outside ``training_step``), beside the bare loop's own parts in its
+median period. Rows go to ``parity.json`` (one per config, a later row of the same config replacing it) and the page
+``parity.md`` beside it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 from pathlib import Path
 
 import lightning
@@ -57,12 +59,13 @@ OPTIMIZER_HOOKS = ("on_before_zero_grad", "on_before_optimizer_step")  # inside 
 
 class StepClock(Callback):
     """Notes when each training batch starts (wall and process CPU clocks), the checkpoints and epochs, and with a
-    ``SimpleProfiler`` each action's calls between batch ``first`` and batch ``last``; writes them to ``path`` when
-    training ends, with the trainer settings the bare loop repeats. What ``moh bench --parity true`` times by.
+    ``SimpleProfiler`` each action's calls in each logging period of the window from batch ``first`` to batch
+    ``last`` (``periods``); writes them to ``path`` when training ends, with the trainer settings the bare loop
+    repeats. What ``moh bench --parity true`` times ``moh fit`` by.
 
     Args:
         path: The JSON file to write.
-        first: The batch (counted from 0 in this run) whose start opens the profiled window.
+        first: The batch (counted from 0 in this run) whose start opens the window.
         last: The batch whose start closes it.
     """
 
@@ -74,8 +77,8 @@ class StepClock(Callback):
         self.checkpoints: list[int] = []
         self.epochs: list[int] = []
         self.batch = 0
+        self.profile: list[dict[str, list[float]]] = []  # per period: action -> (seconds, calls, longest call)
         self._counts: dict[str, int] = {}
-        self.profile: dict[str, list[float]] = {}
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.epochs.append(len(self.wall))
@@ -86,13 +89,14 @@ class StepClock(Callback):
         self.cpu.append(time.process_time())
         if index == 0:
             self.batch = batch_size(batch)
-        if isinstance(trainer.profiler, SimpleProfiler) and index in (self.first, self.last):
-            recorded = trainer.profiler.recorded_durations
-            if index == self.first:
-                self._counts = {name: len(durations) for name, durations in recorded.items()}
-            else:  # each action's (seconds, calls, longest call) in the window
-                since = {name: durations[self._counts.get(name, 0):] for name, durations in recorded.items()}
-                self.profile = {name: [sum(d), len(d), max(d)] for name, d in since.items() if d}
+        bounds = periods(self.first, self.last - self.first, trainer.log_every_n_steps)
+        if not isinstance(trainer.profiler, SimpleProfiler) or index not in bounds:
+            return
+        recorded = trainer.profiler.recorded_durations
+        if index > self.first:
+            since = {name: durations[self._counts.get(name, 0):] for name, durations in recorded.items()}
+            self.profile.append({name: [sum(d), len(d), max(d)] for name, d in since.items() if d})
+        self._counts = {name: len(durations) for name, durations in recorded.items()}
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         self.checkpoints.append(len(self.wall) - 1)
@@ -106,6 +110,27 @@ class StepClock(Callback):
             "wall": self.wall, "cpu": self.cpu, "checkpoints": self.checkpoints, "epochs": self.epochs,
             "batch": self.batch, "task": type(pl_module).__name__, "threads": torch.get_num_threads(),
             "settings": settings, "profile": self.profile}))
+
+
+def periods(first: int, steps: int, block: int) -> list[int]:
+    """The batches that start each logging period of the window of ``steps`` batches from ``first``, and the one
+    after the last: ``steps // block`` periods of ``block`` batches (one of all ``steps`` when they are fewer). Each
+    period holds one logging window."""
+    if steps < block:
+        return [first, first + steps]
+    return [first + k * block for k in range(steps // block + 1)]
+
+
+def period_means(stamps: list[float], bounds: list[int]) -> list[float]:
+    """Each period's mean step in seconds: the time between its first batch's start and the next period's."""
+    return [(stamps[end] - stamps[start]) / (end - start) for start, end in pairwise(bounds)]
+
+
+def median_period(means: list[float]) -> int:
+    """The period whose mean step is the median (the lower of two): a spell of load from other work on the machine
+    falls in a period or two, not in it."""
+    order = sorted(range(len(means)), key=means.__getitem__)
+    return order[(len(order) - 1) // 2]
 
 
 def batch_size(batch) -> int:
@@ -138,11 +163,11 @@ def fit_run(config: str, folder: Path, first: int, steps: int, profile: bool) ->
     return record
 
 
-def bare_run(checkpoint: str, settings: dict, first: int, steps: int, folder: Path) -> dict:
-    """The bare loop of ``checkpoint``'s task, in a fresh process (``bare_loop``)."""
+def bare_run(checkpoint: str, settings: dict, steps: int, folder: Path) -> dict:
+    """The bare loop of ``checkpoint``'s task for ``steps`` steps, in a fresh process (``bare_loop``)."""
     out = folder.resolve() / "bare.json"
     command = [sys.executable, "-m", __spec__.name, "bare", "--checkpoint", checkpoint, "--settings",
-               json.dumps(settings), "--first", str(first), "--steps", str(steps), "--out", str(out)]
+               json.dumps(settings), "--steps", str(steps), "--out", str(out)]
     _run(command, folder, "the bare loop")
     return json.loads(out.read_text())
 
@@ -165,9 +190,9 @@ def logging_off(task: LightningModule) -> Iterator[None]:
         del task.log, task.log_dict
 
 
-def bare_loop(checkpoint: str, settings: dict, first: int, steps: int) -> dict:
-    """``first + steps + 1`` bare steps of ``checkpoint``'s task on one batch of its loader: when each step starts
-    (wall and CPU clocks) and the seconds of its parts in the window."""
+def bare_loop(checkpoint: str, settings: dict, steps: int) -> dict:
+    """``steps`` bare steps of ``checkpoint``'s task on one batch of its loader: when each starts (wall and CPU
+    clocks), and the seconds of its parts."""
     if settings["accumulate_grad_batches"] != 1:
         raise SystemExit("moh bench: parity: the bare loop steps the optimizer every batch; the run accumulates "
                          f"{settings['accumulate_grad_batches']} batches.")
@@ -190,9 +215,9 @@ def bare_loop(checkpoint: str, settings: dict, first: int, steps: int) -> dict:
     batch = next(iter(data.train_dataloader()))
     task.train()
     wall, cpu = [], []
-    parts = {"data": 0.0, "training_step": 0.0, "backward": 0.0, "optimizer": 0.0}  # data: the batch is in memory
+    parts = {"training_step": [], "backward": [], "optimizer": []}  # no data part: the batch is in memory
     with logging_off(task):
-        for i in range(first + steps + 1):
+        for i in range(steps):
             wall.append(time.perf_counter())
             cpu.append(time.process_time())
             with trainer.precision_plugin.train_step_context():
@@ -209,20 +234,14 @@ def bare_loop(checkpoint: str, settings: dict, first: int, steps: int) -> dict:
             optimizer.step()
             for scheduler in schedulers:
                 task.lr_scheduler_step(scheduler, None)
-            if first <= i < first + steps:
-                parts["training_step"] += forward - wall[-1]
-                parts["backward"] += backward - zeroed
-                parts["optimizer"] += zeroed - forward + time.perf_counter() - backward
+            parts["training_step"].append(forward - wall[-1])
+            parts["backward"].append(backward - zeroed)
+            parts["optimizer"].append(zeroed - forward + time.perf_counter() - backward)
     return {"wall": wall, "cpu": cpu, "parts": parts, "threads": torch.get_num_threads(), "batch": batch_size(batch)}
 
 
-def window(stamps: list[float], first: int, steps: int) -> list[float]:
-    """The ``steps`` periods between batch starts from batch ``first`` on."""
-    return [b - a for a, b in zip(stamps[first:first + steps], stamps[first + 1:first + steps + 1], strict=True)]
-
-
 def breakdown(profile: dict[str, list[float]], steps: int, period_ms: float) -> dict:
-    """A profiled fit's window in ms per step: the parts of its step that the bare loop also has, and each callback
+    """A profiled period of a fit in ms per step: the parts of its step that the bare loop also has, and each callback
     (its costliest hook: name, calls, longest call); ``rest``, the period less all of them, is Lightning's loop and
     the logging outside ``training_step``."""
     def ms(names) -> float:
@@ -239,13 +258,12 @@ def breakdown(profile: dict[str, list[float]], steps: int, period_ms: float) -> 
     for name in profile:
         if name.startswith("[Callback]") and not name.startswith("[Callback]StepClock"):
             owner = name.removeprefix("[Callback]").rpartition(".")[0].split("{")[0]
-            entry = callbacks.setdefault(owner, {"ms": 0.0, "hook": "", "calls": 0, "longest_ms": 0.0})
-            entry["ms"] += profile[name][0] * 1e3 / steps
-            if profile[name][0] * 1e3 / steps > entry.get("_hook_ms", 0.0):
-                entry.update(_hook_ms=profile[name][0] * 1e3 / steps, hook=hook(name), calls=profile[name][1],
-                             longest_ms=profile[name][2] * 1e3)
-    for entry in callbacks.values():
-        del entry["_hook_ms"]
+            entry = callbacks.setdefault(owner, {"ms": 0.0, "hook": "", "calls": 0, "longest_ms": 0.0, "hook_ms": 0.0})
+            spent = ms([name])
+            entry["ms"] += spent
+            if spent > entry["hook_ms"]:
+                entry.update(hook=hook(name), calls=profile[name][1], longest_ms=profile[name][2] * 1e3,
+                             hook_ms=spent)
     backward = ms(named("[Strategy]", ".backward")) - ms(n for n in nested if hook(n) in BACKWARD_HOOKS)
     training_step = ms(named("[Strategy]", ".training_step"))
     optimizer = (ms(named("[LightningModule]", ".optimizer_step")) - training_step
@@ -257,32 +275,37 @@ def breakdown(profile: dict[str, list[float]], steps: int, period_ms: float) -> 
     return {"parts": parts, "callbacks": dict(sorted(callbacks.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
-def step_ms(stamps: list[float], first: int, steps: int, block: int) -> float:
-    """The step in ms: the median, over the window's blocks of ``block`` steps (a logging period each), of their mean
-    step. Each block holds one logging window; a spell of load from other work falls in a block or two, not in the
-    median."""
-    periods = window(stamps, first, steps)
-    blocks = [periods[i:i + block] for i in range(0, len(periods) - block + 1, block)] or [periods]
-    return statistics.median(statistics.mean(b) for b in blocks) * 1e3
+def timings(record: dict, bounds: list[int]) -> dict[str, float]:
+    """One run's step in ms: the median period's mean step by the wall and by the process CPU clock, and the plain
+    median and mean of the window's steps."""
+    steps = [b - a for a, b in pairwise(record["wall"][bounds[0]:bounds[-1] + 1])]
+    wall, cpu = period_means(record["wall"], bounds), period_means(record["cpu"], bounds)
+    return {"ms": wall[median_period(wall)] * 1e3, "cpu_ms": cpu[median_period(cpu)] * 1e3,
+            "median_ms": statistics.median(steps) * 1e3, "mean_ms": statistics.mean(steps) * 1e3}
 
 
-def timings(record: dict, first: int, steps: int, block: int) -> dict[str, float]:
-    """One run's step in ms by each clock: ``step_ms`` of the wall and of the process CPU clock, and the plain median
-    and mean of the window's steps."""
-    periods = window(record["wall"], first, steps)
-    return {"ms": step_ms(record["wall"], first, steps, block), "cpu_ms": step_ms(record["cpu"], first, steps, block),
-            "median_ms": statistics.median(periods) * 1e3, "mean_ms": statistics.mean(periods) * 1e3}
+def bare_parts(bare: dict, bounds: list[int]) -> dict[str, float]:
+    """The bare loop's parts in ms per step in its median period; ``rest`` is the step less them."""
+    means = period_means(bare["wall"], bounds)
+    k = median_period(means)
+    start, end = bounds[k], bounds[k + 1]
+    parts = {"data": 0.0, **{name: sum(seconds[start:end]) * 1e3 / (end - start)
+                             for name, seconds in bare["parts"].items()}}
+    parts["rest"] = means[k] * 1e3 - sum(parts.values())
+    return parts
 
 
 def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profiled: dict | None, first: int,
                steps: int, late: int) -> dict:
     """One row of ``parity.json`` from the repeats' (fit record, bare record, load) and the profiled fit's record."""
     block = repeats[0][0]["settings"]["log_every_n_steps"]
+    bounds = periods(first, steps, block)
     runs = []
     for fit, bare, load in repeats:
-        ours, theirs = timings(fit, first, steps, block), timings(bare, first, steps, block)
+        ours, theirs = timings(fit, bounds), timings(bare, bounds)
         runs.append({"fit": ours, "bare": theirs, "ratio": ours["ms"] / theirs["ms"],
                      "cpu_ratio": ours["cpu_ms"] / theirs["cpu_ms"],
+                     "mean_ratio": ours["mean_ms"] / theirs["mean_ms"],
                      "median_ratio": ours["median_ms"] / theirs["median_ms"], "load": load,
                      "checkpoints": [b for b in fit["checkpoints"] if first <= b < first + steps],
                      "epoch_ends": [b - 1 for b in fit["epochs"] if first < b <= first + steps]})
@@ -295,22 +318,23 @@ def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profi
            "bare_ms": statistics.median(r["bare"]["ms"] for r in runs),
            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
            "cpu_ratio": statistics.median(r["cpu_ratio"] for r in runs),
+           "mean_ratio": statistics.median(r["mean_ratio"] for r in runs),
            "median_ratio": statistics.median(r["median_ratio"] for r in runs), "repeats": runs,
            "torch": torch.__version__, "lightning": lightning.__version__,
            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if profiled is not None:  # means of the window's steps, as the profiler's sums are: the bare run of median mean
-        period = statistics.mean(window(profiled["wall"], first, steps)) * 1e3
-        _, bare, _ = sorted(repeats, key=lambda r: statistics.mean(window(r[1]["wall"], first, steps)))[
-            (len(repeats) - 1) // 2]
-        bare_parts = {name: seconds * 1e3 / steps for name, seconds in bare["parts"].items()}
-        bare_parts["rest"] = statistics.mean(window(bare["wall"], first, steps)) * 1e3 - sum(bare_parts.values())
-        row["profile"] = {"period_ms": period, "bare_ms": sum(bare_parts.values()),
-                          **breakdown(profiled["profile"], steps, period), "bare_parts": bare_parts}
+    if profiled is not None:  # each side's median period: the profiled fit's, and the median repeat's bare loop's
+        means = period_means(profiled["wall"], bounds)
+        k = median_period(means)
+        middle = sorted(range(len(runs)), key=lambda i: runs[i]["bare"]["ms"])[(len(runs) - 1) // 2]
+        row["profile"] = {"period_ms": means[k] * 1e3, "period": [bounds[k], bounds[k + 1] - 1],
+                          **breakdown(profiled["profile"][k], bounds[k + 1] - bounds[k], means[k] * 1e3),
+                          "bare_parts": bare_parts(repeats[middle][1], bounds)}
+        row["profile"]["bare_ms"] = sum(row["profile"]["bare_parts"].values())
     return row
 
 
 def bench_parity(output: str = "results/parity.json", configs: list[str] | None = None, repeats: int = 3,
-                 steps: int = 40, profile: bool = True, quick: bool = False,
+                 steps: int = 60, profile: bool = True, quick: bool = False,
                  command: str = "moh bench --parity true") -> Path:
     """Measures each config (``repeats`` x a ``moh fit`` and a bare loop, then a profiled ``moh fit``), prints its
     row, and rewrites ``output`` and its ``.md`` page after each."""
@@ -329,12 +353,12 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
                 folder.mkdir()
                 load_before = os.getloadavg()[0]
                 fit = fit_run(config, folder, first, steps, profile=quick and profile)
-                bare = bare_run(fit["checkpoint"], fit["settings"], first, steps, folder)
+                bare = bare_run(fit["checkpoint"], fit["settings"], first + steps + 1, folder)
                 measured.append((fit, bare, [load_before, os.getloadavg()[0]]))
-                block = fit["settings"]["log_every_n_steps"]
+                bounds = periods(first, steps, fit["settings"]["log_every_n_steps"])
                 print(f"moh bench: parity {config} repeat {repeat + 1}/{repeats}: moh fit "
-                      f"{step_ms(fit['wall'], first, steps, block):.1f} ms/step, bare loop "
-                      f"{step_ms(bare['wall'], first, steps, block):.1f} ms/step", flush=True)
+                      f"{timings(fit, bounds)['ms']:.1f} ms/step, bare loop {timings(bare, bounds)['ms']:.1f} ms/step",
+                      flush=True)
             profiled = measured[0][0] if quick else None
             if profile and not quick:
                 (Path(scratch) / "profile").mkdir()
@@ -369,14 +393,16 @@ def page(rows: list[dict]) -> str:
         "takes the task and data module from that run's last checkpoint, the optimizer and scheduler from the task's "
         "`configure_optimizers`, one batch of the real loader kept in memory, and runs the task's `training_step` "
         "(loss and load-balance term; `self.log` a no-op), `zero_grad`, `backward`, the run's gradient clipping, "
-        "`optimizer.step` and the scheduler's step. A step is the median, over the window's logging periods "
-        "(`log_every_n_steps` steps each, so each holds one logging window), of their mean time between batch starts; "
-        "ratio = moh fit / bare loop, the median over the repeats and their range. The CPU-time ratio is the same on "
-        "the process CPU clock, which other work on the machine disturbs less; the median-step ratio leaves out what "
-        "comes only every few steps.", "",
+        "`optimizer.step` and the scheduler's step. The window is cut into logging periods (`log_every_n_steps` "
+        "steps, each holding one logging window); a step is the mean time between batch starts in the median period, "
+        "so what comes every logging window counts and a spell of load from other work falls in a period or two, not "
+        "in the median one. Ratio = moh fit / bare loop, the median over the repeats and their range; the CPU-time "
+        "ratio is the same on the process CPU clock, which other work disturbs less; the mean ratio takes every step "
+        "of the window (epoch ends and checkpoints in it included, and any load); the median-step ratio leaves out "
+        "whatever comes only every few steps.", "",
         f"| config | task | batch | window (steps) | moh fit ms/step | bare loop ms/step | ratio (range) | "
-        f"≤ {TARGET:.2f} | CPU-time ratio | median-step ratio | load (1 min) | measured |",
-        "|" + "---|" * 12]
+        f"≤ {TARGET:.2f} | CPU-time ratio | mean ratio | median-step ratio | load (1 min) | measured |",
+        "|" + "---|" * 13]
     for r in rows:
         loads = [x for run in r["repeats"] for x in run["load"]]
         count = len(r["repeats"])
@@ -384,7 +410,8 @@ def page(rows: list[dict]) -> str:
             f"| {r['config']} | {r['task']} | {r['batch']} | {r['first']}-{r['first'] + r['steps'] - 1} | "
             f"{r['fit_ms']:.1f} | {r['bare_ms']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, "
             f"{count} repeat{'s' if count > 1 else ''}) | {'yes' if r['ratio'] <= TARGET else '**no**'} | "
-            f"{r['cpu_ratio']:.2f} | {r['median_ratio']:.2f} | {min(loads):.1f}-{max(loads):.1f} | {r['measured']} |")
+            f"{r['cpu_ratio']:.2f} | {r['mean_ratio']:.2f} | {r['median_ratio']:.2f} | "
+            f"{min(loads):.1f}-{max(loads):.1f} | {r['measured']} |")
     busy = shared_machine([max(x for r in rows for run in r["repeats"] for x in run["load"])], [0.0])
     if busy:
         lines += ["", f"{busy}: each ratio pairs two runs made back to back, but load that falls on one of them "
@@ -400,17 +427,15 @@ def _gap_section(row: dict) -> list[str]:
     if profile is None:
         return []
     fit, bare = profile["parts"], profile["bare_parts"]
-    late = f", after the EMA starts at step {row['late_start']}" if row["late_start"] else ""
-    events = row["repeats"][0]
-    periodic = [f"a logging window every {row['log_every_n_steps']} steps"]
-    for name, count in (("epoch end", len(events["epoch_ends"])), ("checkpoint", len(events["checkpoints"]))):
-        if count:
-            periodic.append(f"{count} {name}{'s' if count > 1 else ''}")
+    events = [f"{len(run[kind])} {name}" for run in row["repeats"][:1]
+              for kind, name in (("epoch_ends", "epoch ends"), ("checkpoints", "checkpoints"))]
+    start, end = profile["period"]
     gap = profile["period_ms"] - profile["bare_ms"]
     lines = ["", f"## Where the gap is: {row['config']}", "",
-             f"One more `moh fit` with `--trainer.profiler simple` over the same window (steps {row['first']}-"
-             f"{row['first'] + row['steps'] - 1}{late}; in it {', '.join(periodic)}), beside the repeat whose bare "
-             f"loop took the median time; both as means of the window's steps.", "",
+             f"One more `moh fit` under `--trainer.profiler simple`, the same window: its median logging period (steps "
+             f"{start}-{end}) beside the bare loop's median period in the repeat of median bare time, in ms per step "
+             f"(the window of the first repeat also held {' and '.join(events)}, which a median period may leave "
+             f"out; the mean ratio above counts them).", "",
              "| part of the step | moh fit ms | bare loop ms | gap ms |", "|---|---|---|---|"]
     for name in ("data", "training_step", "backward", "optimizer"):
         lines.append(f"| {PARTS[name]} | {fit[name]:.2f} | {bare[name]:.2f} | {fit[name] - bare[name]:+.2f} |")
@@ -435,11 +460,10 @@ def _main() -> None:
     parser.add_argument("command", choices=["bare"])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--settings", required=True, help="the fit's trainer settings (StepClock's), as JSON")
-    parser.add_argument("--first", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    record = bare_loop(args.checkpoint, json.loads(args.settings), args.first, args.steps)
+    record = bare_loop(args.checkpoint, json.loads(args.settings), args.steps)
     Path(args.out).write_text(json.dumps(record))
 
 
@@ -447,5 +471,5 @@ if __name__ == "__main__":
     _main()
 
 
-__all__ = ["CONFIGS", "StepClock", "bare_loop", "batch_size", "bench_parity", "breakdown", "late_start", "page",
-           "parity_row", "step_ms", "timings", "window"]
+__all__ = ["CONFIGS", "StepClock", "bare_loop", "bare_parts", "batch_size", "bench_parity", "breakdown", "late_start",
+           "median_period", "page", "parity_row", "period_means", "periods", "timings"]
