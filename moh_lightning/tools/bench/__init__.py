@@ -89,7 +89,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
             and loss (``bench.parity``), for each task's embedded CPU default: ``parity_repeats`` pairs of runs, the
             ratio's median and range, and a profile of where the gap is; rows into ``output``
             (``results/parity.json`` by default) and the page ``parity.md`` beside it. ``quick``: one repeat of 10
-            steps after 3, profiled (minutes, for CI).
+            steps after 3, profiled (minutes, for CI). ``threads`` sets both loops' torch threads (``OMP_NUM_THREADS``).
         parity_configs: The shipped configs to compare; None: ``vit_tiny_mnist_75``, ``dit_mnist_90`` and
             ``llm_stdlib_75``.
         parity_repeats: Pairs of runs (a ``moh fit``, then the bare loop) per config.
@@ -108,13 +108,13 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
                             command)
     if parity:
         given = {"parity_configs": parity_configs, "parity_repeats": parity_repeats, "parity_steps": parity_steps,
-                 "parity_profile": parity_profile}
+                 "parity_profile": parity_profile, "threads": threads}
         command = " ".join(["moh bench --parity true"] + (["--quick true"] if quick else [])
                            + [f"--{k} {str(v).replace(' ', '').lower() if isinstance(v, bool) else v}"
                               for k, v in given.items() if v != DEFAULTS[k]]
                            + ([f"--output {output}"] if output else []))
         return bench_parity(output or "results/parity.json", parity_configs, parity_repeats, parity_steps,
-                            parity_profile, quick, command)
+                            parity_profile, quick, threads, command)
     if steps:
         return bench_steps(device, output or "results/gpu/steps.json", compiled=compiled and run_on.type == "cuda",
                            repeats=repeats, warmup=warmup)

@@ -146,9 +146,9 @@ def late_start(config: str) -> int:
     return max(starts, default=0)
 
 
-def fit_run(config: str, folder: Path, first: int, steps: int, profile: bool) -> dict:
-    """``moh fit --config <config>`` for ``first + steps + 1`` steps in ``folder``: its ``StepClock`` record, and the
-    path of its last checkpoint."""
+def fit_run(config: str, folder: Path, first: int, steps: int, profile: bool, threads: int | None = None) -> dict:
+    """``moh fit --config <config>`` for ``first + steps + 1`` steps in ``folder`` (``threads``: its torch threads,
+    through ``OMP_NUM_THREADS``): its ``StepClock`` record, and the path of its last checkpoint."""
     folder = folder.resolve()  # the run's own working folder
     clock = folder / "clock.json"
     command = [sys.executable, "-m", "moh_lightning.cli", "fit", "--config", config,
@@ -157,23 +157,25 @@ def fit_run(config: str, folder: Path, first: int, steps: int, profile: bool) ->
                f"--trainer.callbacks+={__spec__.name}.StepClock", "--trainer.callbacks.init_args.path", str(clock),
                "--trainer.callbacks.init_args.first", str(first),
                "--trainer.callbacks.init_args.last", str(first + steps)]
-    _run(command + (["--trainer.profiler", "simple"] if profile else []), folder, f"moh fit --config {config}")
+    _run(command + (["--trainer.profiler", "simple"] if profile else []), folder, threads,
+         f"moh fit --config {config}")
     record = json.loads(clock.read_text())
     record["checkpoint"] = str(next(folder.glob("runs/*/version_*/checkpoints/last.ckpt")))
     return record
 
 
-def bare_run(checkpoint: str, settings: dict, steps: int, folder: Path) -> dict:
+def bare_run(checkpoint: str, settings: dict, steps: int, folder: Path, threads: int | None = None) -> dict:
     """The bare loop of ``checkpoint``'s task for ``steps`` steps, in a fresh process (``bare_loop``)."""
     out = folder.resolve() / "bare.json"
     command = [sys.executable, "-m", __spec__.name, "bare", "--checkpoint", checkpoint, "--settings",
                json.dumps(settings), "--steps", str(steps), "--out", str(out)]
-    _run(command, folder, "the bare loop")
+    _run(command, folder, threads, "the bare loop")
     return json.loads(out.read_text())
 
 
-def _run(command: list[str], folder: Path, what: str) -> None:
-    done = subprocess.run(command, cwd=folder, capture_output=True, text=True)
+def _run(command: list[str], folder: Path, threads: int | None, what: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None  # torch's threads, read at its start
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:]
         raise SystemExit(f"moh bench: parity: {what} failed (exit {done.returncode}): {' '.join(last)}")
@@ -212,7 +214,9 @@ def bare_loop(checkpoint: str, settings: dict, steps: int) -> dict:
     schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     clip, by_value = settings["gradient_clip_val"], settings["gradient_clip_algorithm"] == "value"
-    batch = next(iter(data.train_dataloader()))
+    # One batch of the run's loader, through the transfer hooks the fit's batches pass (the data module's device-side
+    # augmentation among them), once: from then on it is in memory.
+    batch = trainer.strategy.batch_to_device(next(iter(data.train_dataloader())))
     task.train()
     wall, cpu = [], []
     parts = {"training_step": [], "backward": [], "optimizer": []}  # no data part: the batch is in memory
@@ -334,10 +338,11 @@ def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profi
 
 
 def bench_parity(output: str = "results/parity.json", configs: list[str] | None = None, repeats: int = 3,
-                 steps: int = 60, profile: bool = True, quick: bool = False,
+                 steps: int = 60, profile: bool = True, quick: bool = False, threads: int | None = None,
                  command: str = "moh bench --parity true") -> Path:
-    """Measures each config (``repeats`` x a ``moh fit`` and a bare loop, then a profiled ``moh fit``), prints its
-    row, and rewrites ``output`` and its ``.md`` page after each."""
+    """Measures each config (``repeats`` x a ``moh fit`` and a bare loop, then a profiled ``moh fit``, each process
+    with ``threads`` torch threads, or torch's default), prints its row, and rewrites ``output`` and its ``.md`` page
+    after each."""
     warmup = WARMUP
     if quick:
         repeats, steps, warmup = QUICK["repeats"], QUICK["steps"], QUICK["warmup"]
@@ -352,8 +357,8 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
                 folder = Path(scratch) / f"repeat_{repeat}"
                 folder.mkdir()
                 load_before = os.getloadavg()[0]
-                fit = fit_run(config, folder, first, steps, profile=quick and profile)
-                bare = bare_run(fit["checkpoint"], fit["settings"], first + steps + 1, folder)
+                fit = fit_run(config, folder, first, steps, quick and profile, threads)
+                bare = bare_run(fit["checkpoint"], fit["settings"], first + steps + 1, folder, threads)
                 measured.append((fit, bare, [load_before, os.getloadavg()[0]]))
                 bounds = periods(first, steps, fit["settings"]["log_every_n_steps"])
                 print(f"moh bench: parity {config} repeat {repeat + 1}/{repeats}: moh fit "
@@ -362,7 +367,7 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
             profiled = measured[0][0] if quick else None
             if profile and not quick:
                 (Path(scratch) / "profile").mkdir()
-                profiled = fit_run(config, Path(scratch) / "profile", first, steps, profile=True)
+                profiled = fit_run(config, Path(scratch) / "profile", first, steps, True, threads)
         row = parity_row(config, measured, profiled if profile else None, first, steps, late)
         row["command"] = command
         rows = [r for r in rows if r["config"] != config] + [row]
