@@ -3,7 +3,8 @@
 This module is the command: its options, which sections run, the page they make. Each section measures in a module
 of its own (``core``, ``layer``, ``memory``, ``decode``, ``models``), all timed the same way (``timing``), and
 ``report`` holds what the page says; ``--device cuda`` runs the GPU report (``cuda``) instead, ``--steps true`` each
-task's training step (``steps``) and ``--loader true`` the ImageNet recipe's image loader alone (``loader``).
+task's training step (``steps``), ``--loader true`` the ImageNet recipe's image loader alone (``loader``) and
+``--parity true`` ``moh fit``'s step against a bare PyTorch loop of the same network (``parity``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from moh_lightning.tools.bench.models import (
     model_section,
 )
 from moh_lightning.tools.bench.op_count import op_count_section
+from moh_lightning.tools.bench.parity import bench_parity
 from moh_lightning.tools.bench.report import Report, header, shared_machine
 from moh_lightning.tools.bench.shapes import BATCH, FRACTIONS
 from moh_lightning.tools.bench.steps import bench_steps
@@ -34,7 +36,8 @@ from moh_lightning.tools.bench.timing import Clock
 
 DEFAULTS = {"quick": False, "repeats": 5, "warmup": 2, "models": True, "compiled": True, "threads": None,
             "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False, "loader": False,
-            "loader_workers": None, "loader_data": None, "loader_batches": 20}
+            "loader_workers": None, "loader_data": None, "loader_batches": 20, "parity": False,
+            "parity_configs": None, "parity_repeats": 3, "parity_steps": 60, "parity_profile": True}
 
 
 def default_output(name: str) -> Path:
@@ -45,7 +48,9 @@ def default_output(name: str) -> Path:
 def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
           models: bool = True, compiled: bool = True, threads: int | None = None, device: str = "cpu",
           clock: str = "wall", compile_backend: str = "inductor", steps: bool = False, loader: bool = False,
-          loader_workers: list[int] | None = None, loader_data: str | None = None, loader_batches: int = 20) -> Path:
+          loader_workers: list[int] | None = None, loader_data: str | None = None, loader_batches: int = 20,
+          parity: bool = False, parity_configs: list[str] | None = None, parity_repeats: int = 3,
+          parity_steps: int = 60, parity_profile: bool = True) -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Prints each section as it starts and ends, rewrites the page after each (a stopped bench leaves what it
@@ -83,6 +88,16 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         loader_data: An ImageNet-layout folder of your own (``train/<class>/``, ``val/<class>/``, or ``<class>/``
             folders) to load instead of synthetic JPEGs; it is only read.
         loader_batches: Timed batches per worker, after each worker's first.
+        parity: Only ``moh fit``'s steady-state step against a bare PyTorch loop of the same network, batch, optimizer
+            and loss (``bench.parity``), for each task's embedded CPU default: ``parity_repeats`` pairs of runs, the
+            ratio's median and range, and a profile of where the gap is; rows into ``output``
+            (``results/parity.json`` by default) and the page ``parity.md`` beside it. ``quick``: one repeat of 10
+            steps after 3, profiled (minutes, for CI). ``threads`` sets both loops' torch threads (``OMP_NUM_THREADS``).
+        parity_configs: The shipped configs to compare; None: ``vit_tiny_mnist_75``, ``dit_mnist_90`` and
+            ``llm_stdlib_75``.
+        parity_repeats: Pairs of runs (a ``moh fit``, then the bare loop) per config.
+        parity_steps: Timed steps per run, after 10 (and after a callback that starts late: the DiT recipe's EMA).
+        parity_profile: One more ``moh fit`` per config under Lightning's ``SimpleProfiler``, for where the gap is.
     """
     if clock not in ("wall", "cpu"):
         raise SystemExit(f"moh bench: --clock {clock!r}: choose wall or cpu.")
@@ -94,6 +109,15 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
                            + ([f"--output {output}"] if output else []))
         return bench_loader(output or "results/loader.json", loader_workers, loader_data, loader_batches, quick,
                             command)
+    if parity:
+        given = {"parity_configs": parity_configs, "parity_repeats": parity_repeats, "parity_steps": parity_steps,
+                 "parity_profile": parity_profile, "threads": threads}
+        command = " ".join(["moh bench --parity true"] + (["--quick true"] if quick else [])
+                           + [f"--{k} {str(v).replace(' ', '').lower() if isinstance(v, bool) else v}"
+                              for k, v in given.items() if v != DEFAULTS[k]]
+                           + ([f"--output {output}"] if output else []))
+        return bench_parity(output or "results/parity.json", parity_configs, parity_repeats, parity_steps,
+                            parity_profile, quick, threads, command)
     if steps:
         return bench_steps(device, output or "results/gpu/steps.json", repeats=repeats, warmup=warmup,
                            compiled=compiled and (run_on.type == "cuda" or quick), backend=compile_backend, quick=quick)
