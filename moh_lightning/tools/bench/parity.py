@@ -13,8 +13,9 @@ fresh process too (``python -m moh_lightning.tools.bench.parity bare``): the tas
 its last checkpoint, the optimizer and scheduler of the task's ``configure_optimizers`` (a Lightning ``fit`` of no steps
 builds them), one batch of the real loader kept in memory, and per step the task's ``training_step`` (its loss and
 the load-balance term; ``self.log`` a no-op), ``zero_grad``, ``backward``, the run's gradient clipping,
-``optimizer.step`` and the scheduler's step, in the run's precision. A repeat is one ``moh fit`` and then one bare
-loop; its ratio is fit / bare, and the page gives the median over the repeats and their range.
+``optimizer.step`` and the scheduler's step, in the run's precision; its window starts after ``WARMUP`` steps, with
+no callback to wait for. A repeat is one ``moh fit`` and then one bare loop; its ratio is fit / bare, and the page
+gives the median over the repeats and their range.
 
 One more ``moh fit`` per config runs with Lightning's ``SimpleProfiler`` over the same window (``quick``: the timed
 run itself); its fastest period splits into the data, ``training_step``, ``backward``, the optimizer, each callback
@@ -299,14 +300,17 @@ def bare_parts(bare: dict, bounds: list[int]) -> dict[str, float]:
     return parts
 
 
-def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profiled: dict | None, first: int,
+def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profiled: dict | None, warmup: int,
                steps: int, late: int) -> dict:
-    """One row of ``parity.json`` from the repeats' (fit record, bare record, load) and the profiled fit's record."""
+    """One row of ``parity.json`` from the repeats' (fit record, bare record, load) and the profiled fit's record:
+    the fit's window starts after ``warmup + late`` steps, the bare loop's after ``warmup`` (no callback to wait for).
+    """
     block = repeats[0][0]["settings"]["log_every_n_steps"]
-    bounds = periods(first, steps, block)
+    first = warmup + late
+    bounds, bare_bounds = periods(first, steps, block), periods(warmup, steps, block)
     runs = []
     for fit, bare, load in repeats:
-        ours, theirs = timings(fit, bounds), timings(bare, bounds)
+        ours, theirs = timings(fit, bounds), timings(bare, bare_bounds)
         runs.append({"fit": ours, "bare": theirs, "ratio": ours["ms"] / theirs["ms"],
                      "cpu_ratio": ours["cpu_ms"] / theirs["cpu_ms"],
                      "mean_ratio": ours["mean_ms"] / theirs["mean_ms"],
@@ -332,7 +336,7 @@ def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profi
         fastest = min(range(len(runs)), key=lambda i: runs[i]["bare"]["ms"])
         row["profile"] = {"period_ms": means[k] * 1e3, "period": [bounds[k], bounds[k + 1] - 1],
                           **breakdown(profiled["profile"][k], bounds[k + 1] - bounds[k], means[k] * 1e3),
-                          "bare_parts": bare_parts(repeats[fastest][1], bounds)}
+                          "bare_parts": bare_parts(repeats[fastest][1], bare_bounds)}
         row["profile"]["bare_ms"] = sum(row["profile"]["bare_parts"].values())
     return row
 
@@ -358,17 +362,17 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
                 folder.mkdir()
                 load_before = os.getloadavg()[0]
                 fit = fit_run(config, folder, first, steps, quick and profile, threads)
-                bare = bare_run(fit["checkpoint"], fit["settings"], first + steps + 1, folder, threads)
+                bare = bare_run(fit["checkpoint"], fit["settings"], warmup + steps + 1, folder, threads)
                 measured.append((fit, bare, [load_before, os.getloadavg()[0]]))
-                bounds = periods(first, steps, fit["settings"]["log_every_n_steps"])
+                block = fit["settings"]["log_every_n_steps"]
                 print(f"moh bench: parity {config} repeat {repeat + 1}/{repeats}: moh fit "
-                      f"{timings(fit, bounds)['ms']:.1f} ms/step, bare loop {timings(bare, bounds)['ms']:.1f} ms/step",
-                      flush=True)
+                      f"{timings(fit, periods(first, steps, block))['ms']:.1f} ms/step, bare loop "
+                      f"{timings(bare, periods(warmup, steps, block))['ms']:.1f} ms/step", flush=True)
             profiled = measured[0][0] if quick else None
             if profile and not quick:
                 (Path(scratch) / "profile").mkdir()
                 profiled = fit_run(config, Path(scratch) / "profile", first, steps, True, threads)
-        row = parity_row(config, measured, profiled if profile else None, first, steps, late)
+        row = parity_row(config, measured, profiled if profile else None, warmup, steps, late)
         row["command"] = command
         rows = [r for r in rows if r["config"] != config] + [row]
         path.parent.mkdir(parents=True, exist_ok=True)
