@@ -6,20 +6,22 @@ network, batch, optimizer and loss, for each task's embedded CPU default; Lightn
 the progress bar off, on the CPU, and one callback more: ``StepClock`` notes when each training batch starts. The
 window is ``steps`` batches after ``WARMUP`` (and after any callback that starts late: the DiT recipe's EMA from step
 400), cut into logging periods (``log_every_n_steps`` batches, each holding one logging window); the step is the
-mean time between batch starts in the median period (``timings``): what comes every logging window counts, and a
-spell of load from other work on the machine falls in a period or two, not in the median one. The bare loop runs in a
+mean time between batch starts in the fastest period (``timings``): every period holds the same work, what comes
+every logging window included, and the fastest is the one that other work on the machine disturbed least (as
+``timeit`` takes the fastest of its repeats). The bare loop runs in a
 fresh process too (``python -m moh_lightning.tools.bench.parity bare``): the task and data module that run saved in
 its last checkpoint, the optimizer and scheduler of the task's ``configure_optimizers`` (a Lightning ``fit`` of no steps
 builds them), one batch of the real loader kept in memory, and per step the task's ``training_step`` (its loss and
 the load-balance term; ``self.log`` a no-op), ``zero_grad``, ``backward``, the run's gradient clipping,
-``optimizer.step`` and the scheduler's step, in the run's precision. A repeat is one ``moh fit`` and then one bare
-loop; its ratio is fit / bare, and the page gives the median over the repeats and their range.
+``optimizer.step`` and the scheduler's step, in the run's precision; its window starts after ``WARMUP`` steps, with
+no callback to wait for. A repeat is one ``moh fit`` and then one bare loop; its ratio is fit / bare, and the page
+gives the median over the repeats and their range.
 
 One more ``moh fit`` per config runs with Lightning's ``SimpleProfiler`` over the same window (``quick``: the timed
-run itself); its median period splits into the data, ``training_step``, ``backward``, the optimizer, each callback
-and the rest (Lightning's loop and the logging outside ``training_step``), beside the bare loop's own parts in its
-median period. Rows go to ``parity.json`` (one per config, a later row of the same config replacing it) and the page
-``parity.md`` beside it.
+run itself); its fastest period splits into the data, ``training_step``, ``backward``, the optimizer, each callback
+and the rest (Lightning's loop and the logging outside ``training_step``), beside the parts of the fastest bare
+loop's fastest period. Rows go to ``parity.json`` (one per config, a later row of the same config replacing it) and
+the page ``parity.md`` beside it.
 """
 from __future__ import annotations
 
@@ -126,11 +128,10 @@ def period_means(stamps: list[float], bounds: list[int]) -> list[float]:
     return [(stamps[end] - stamps[start]) / (end - start) for start, end in pairwise(bounds)]
 
 
-def median_period(means: list[float]) -> int:
-    """The period whose mean step is the median (the lower of two): a spell of load from other work on the machine
-    falls in a period or two, not in it."""
-    order = sorted(range(len(means)), key=means.__getitem__)
-    return order[(len(order) - 1) // 2]
+def fastest_period(means: list[float]) -> int:
+    """The period whose mean step is the shortest: each holds the same work, so the fastest is the one that other
+    work on the machine disturbed least."""
+    return min(range(len(means)), key=means.__getitem__)
 
 
 def batch_size(batch) -> int:
@@ -280,18 +281,18 @@ def breakdown(profile: dict[str, list[float]], steps: int, period_ms: float) -> 
 
 
 def timings(record: dict, bounds: list[int]) -> dict[str, float]:
-    """One run's step in ms: the median period's mean step by the wall and by the process CPU clock, and the plain
+    """One run's step in ms: the fastest period's mean step by the wall and by the process CPU clock, and the plain
     median and mean of the window's steps."""
     steps = [b - a for a, b in pairwise(record["wall"][bounds[0]:bounds[-1] + 1])]
     wall, cpu = period_means(record["wall"], bounds), period_means(record["cpu"], bounds)
-    return {"ms": wall[median_period(wall)] * 1e3, "cpu_ms": cpu[median_period(cpu)] * 1e3,
+    return {"ms": min(wall) * 1e3, "cpu_ms": min(cpu) * 1e3,
             "median_ms": statistics.median(steps) * 1e3, "mean_ms": statistics.mean(steps) * 1e3}
 
 
 def bare_parts(bare: dict, bounds: list[int]) -> dict[str, float]:
-    """The bare loop's parts in ms per step in its median period; ``rest`` is the step less them."""
+    """The bare loop's parts in ms per step in its fastest period; ``rest`` is the step less them."""
     means = period_means(bare["wall"], bounds)
-    k = median_period(means)
+    k = fastest_period(means)
     start, end = bounds[k], bounds[k + 1]
     parts = {"data": 0.0, **{name: sum(seconds[start:end]) * 1e3 / (end - start)
                              for name, seconds in bare["parts"].items()}}
@@ -299,14 +300,17 @@ def bare_parts(bare: dict, bounds: list[int]) -> dict[str, float]:
     return parts
 
 
-def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profiled: dict | None, first: int,
+def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profiled: dict | None, warmup: int,
                steps: int, late: int) -> dict:
-    """One row of ``parity.json`` from the repeats' (fit record, bare record, load) and the profiled fit's record."""
+    """One row of ``parity.json`` from the repeats' (fit record, bare record, load) and the profiled fit's record:
+    the fit's window starts after ``warmup + late`` steps, the bare loop's after ``warmup`` (no callback to wait for).
+    """
     block = repeats[0][0]["settings"]["log_every_n_steps"]
-    bounds = periods(first, steps, block)
+    first = warmup + late
+    bounds, bare_bounds = periods(first, steps, block), periods(warmup, steps, block)
     runs = []
     for fit, bare, load in repeats:
-        ours, theirs = timings(fit, bounds), timings(bare, bounds)
+        ours, theirs = timings(fit, bounds), timings(bare, bare_bounds)
         runs.append({"fit": ours, "bare": theirs, "ratio": ours["ms"] / theirs["ms"],
                      "cpu_ratio": ours["cpu_ms"] / theirs["cpu_ms"],
                      "mean_ratio": ours["mean_ms"] / theirs["mean_ms"],
@@ -326,13 +330,13 @@ def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profi
            "median_ratio": statistics.median(r["median_ratio"] for r in runs), "repeats": runs,
            "torch": torch.__version__, "lightning": lightning.__version__,
            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if profiled is not None:  # each side's median period: the profiled fit's, and the median repeat's bare loop's
+    if profiled is not None:  # each side's least disturbed period: the profiled fit's, the fastest bare loop's
         means = period_means(profiled["wall"], bounds)
-        k = median_period(means)
-        middle = sorted(range(len(runs)), key=lambda i: runs[i]["bare"]["ms"])[(len(runs) - 1) // 2]
+        k = fastest_period(means)
+        fastest = min(range(len(runs)), key=lambda i: runs[i]["bare"]["ms"])
         row["profile"] = {"period_ms": means[k] * 1e3, "period": [bounds[k], bounds[k + 1] - 1],
                           **breakdown(profiled["profile"][k], bounds[k + 1] - bounds[k], means[k] * 1e3),
-                          "bare_parts": bare_parts(repeats[middle][1], bounds)}
+                          "bare_parts": bare_parts(repeats[fastest][1], bare_bounds)}
         row["profile"]["bare_ms"] = sum(row["profile"]["bare_parts"].values())
     return row
 
@@ -358,17 +362,17 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
                 folder.mkdir()
                 load_before = os.getloadavg()[0]
                 fit = fit_run(config, folder, first, steps, quick and profile, threads)
-                bare = bare_run(fit["checkpoint"], fit["settings"], first + steps + 1, folder, threads)
+                bare = bare_run(fit["checkpoint"], fit["settings"], warmup + steps + 1, folder, threads)
                 measured.append((fit, bare, [load_before, os.getloadavg()[0]]))
-                bounds = periods(first, steps, fit["settings"]["log_every_n_steps"])
+                block = fit["settings"]["log_every_n_steps"]
                 print(f"moh bench: parity {config} repeat {repeat + 1}/{repeats}: moh fit "
-                      f"{timings(fit, bounds)['ms']:.1f} ms/step, bare loop {timings(bare, bounds)['ms']:.1f} ms/step",
-                      flush=True)
+                      f"{timings(fit, periods(first, steps, block))['ms']:.1f} ms/step, bare loop "
+                      f"{timings(bare, periods(warmup, steps, block))['ms']:.1f} ms/step", flush=True)
             profiled = measured[0][0] if quick else None
             if profile and not quick:
                 (Path(scratch) / "profile").mkdir()
                 profiled = fit_run(config, Path(scratch) / "profile", first, steps, True, threads)
-        row = parity_row(config, measured, profiled if profile else None, first, steps, late)
+        row = parity_row(config, measured, profiled if profile else None, warmup, steps, late)
         row["command"] = command
         rows = [r for r in rows if r["config"] != config] + [row]
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -399,12 +403,12 @@ def page(rows: list[dict]) -> str:
         "`configure_optimizers`, one batch of the real loader kept in memory, and runs the task's `training_step` "
         "(loss and load-balance term; `self.log` a no-op), `zero_grad`, `backward`, the run's gradient clipping, "
         "`optimizer.step` and the scheduler's step. The window is cut into logging periods (`log_every_n_steps` "
-        "steps, each holding one logging window); a step is the mean time between batch starts in the median period, "
-        "so what comes every logging window counts and a spell of load from other work falls in a period or two, not "
-        "in the median one. Ratio = moh fit / bare loop, the median over the repeats and their range; the CPU-time "
-        "ratio is the same on the process CPU clock, which other work disturbs less; the mean ratio takes every step "
-        "of the window (epoch ends and checkpoints in it included, and any load); the median-step ratio leaves out "
-        "whatever comes only every few steps.", "",
+        "steps, each holding one logging window); a step is the mean time between batch starts in the fastest period: "
+        "every period holds the same work, what comes every logging window included, and the fastest is the one "
+        "other work on the machine disturbed least. Ratio = moh fit / bare loop, the median over the repeats and "
+        "their range; the CPU-time ratio is the same on the process CPU clock; the mean ratio takes every step of the "
+        "window (epoch ends and checkpoints in it included, and any load); the median-step ratio leaves out whatever "
+        "comes only every few steps.", "",
         f"| config | task | batch | window (steps) | moh fit ms/step | bare loop ms/step | ratio (range) | "
         f"≤ {TARGET:.2f} | CPU-time ratio | mean ratio | median-step ratio | load (1 min) | measured |",
         "|" + "---|" * 13]
@@ -437,10 +441,10 @@ def _gap_section(row: dict) -> list[str]:
     start, end = profile["period"]
     gap = profile["period_ms"] - profile["bare_ms"]
     lines = ["", f"## Where the gap is: {row['config']}", "",
-             f"One more `moh fit` under `--trainer.profiler simple`, the same window: its median logging period (steps "
-             f"{start}-{end}) beside the bare loop's median period in the repeat of median bare time, in ms per step "
-             f"(the window of the first repeat also held {' and '.join(events)}, which a median period may leave "
-             f"out; the mean ratio above counts them).", "",
+             f"One more `moh fit` under `--trainer.profiler simple`, the same window: its fastest logging period "
+             f"(steps {start}-{end}) beside the fastest period of the fastest bare loop, in ms per step (the window "
+             f"of the first repeat also held {' and '.join(events)}, which a period may leave out; the mean ratio "
+             f"above counts them).", "",
              "| part of the step | moh fit ms | bare loop ms | gap ms |", "|---|---|---|---|"]
     for name in ("data", "training_step", "backward", "optimizer"):
         lines.append(f"| {PARTS[name]} | {fit[name]:.2f} | {bare[name]:.2f} | {fit[name] - bare[name]:+.2f} |")
@@ -477,4 +481,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["CONFIGS", "StepClock", "bare_loop", "bare_parts", "batch_size", "bench_parity", "breakdown", "late_start",
-           "median_period", "page", "parity_row", "period_means", "periods", "timings"]
+           "fastest_period", "page", "parity_row", "period_means", "periods", "timings"]
