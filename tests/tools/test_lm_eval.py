@@ -73,7 +73,7 @@ def test_lm_eval_tool_on_local_tasks_checkpoint_and_export_agree(workspace, caps
 
 
 def test_lm_eval_tool_needs_one_model():
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(SystemExit, match="^moh lm-eval: give exactly one of --checkpoint"):  # one line, no traceback
         moh(["lm-eval", "--tasks", "[tiny_choice]"])
 
 
