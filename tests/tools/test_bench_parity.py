@@ -33,7 +33,7 @@ def test_quick_parity_rows_and_page(run_dir, capsys, monkeypatch):
     assert total == pytest.approx(profile["period_ms"]) and profile["period"] == [1, 2]
     assert sum(profile["bare_parts"].values()) == pytest.approx(profile["bare_ms"])
     text = (run_dir / "out/parity.md").read_text()
-    assert "| vit_tiny_mnist_75 | ImageClassifier | 128 | 1-2 |" in text
+    assert f"| vit_tiny_mnist_75 | ImageClassifier | 128 | {row['threads']} | 1-2 |" in text
     assert "## Where the gap is: vit_tiny_mnist_75" in text and "callback `HeadLoadCallback`" in text
     assert "moh bench --parity true --quick true --parity_configs ['vit_tiny_mnist_75']" in text
     assert "moh fit / bare loop =" in capsys.readouterr().out
