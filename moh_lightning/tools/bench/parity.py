@@ -8,20 +8,23 @@ window is ``steps`` batches after ``WARMUP`` (and after any callback that starts
 400), cut into logging periods (``log_every_n_steps`` batches, each holding one logging window); the step is the
 mean time between batch starts in the fastest period (``timings``): every period holds the same work, what comes
 every logging window included, and the fastest is the one that other work on the machine disturbed least (as
-``timeit`` takes the fastest of its repeats). The bare loop runs in a
-fresh process too (``python -m moh_lightning.tools.bench.parity bare``): the task and data module that run saved in
-its last checkpoint, the optimizer and scheduler of the task's ``configure_optimizers`` (a Lightning ``fit`` of no steps
-builds them), one batch of the real loader kept in memory, and per step the task's ``training_step`` (its loss and
-the load-balance term; ``self.log`` a no-op), ``zero_grad``, ``backward``, the run's gradient clipping,
-``optimizer.step`` and the scheduler's step, in the run's precision; its window starts after ``WARMUP`` steps, with
-no callback to wait for. A repeat is one ``moh fit`` and then one bare loop; its ratio is fit / bare, and the page
-gives the median over the repeats and their range.
+``timeit`` takes the fastest of its repeats).
+
+Two bare loops run in fresh processes too (``python -m moh_lightning.tools.bench.parity bare``): the task and data
+module that run saved in its last checkpoint, the optimizer and scheduler of the task's ``configure_optimizers`` (a
+Lightning ``fit`` of no steps builds them), and per step the task's ``training_step`` (its loss and the load-balance
+term; ``self.log`` a no-op), ``zero_grad``, ``backward``, the run's gradient clipping, ``optimizer.step`` and the
+scheduler's step, in the run's precision: one on a batch of the real loader kept in memory, one on a new batch of the
+loader every step. Their window starts after ``WARMUP`` steps, with no callback to wait for. A repeat is one ``moh
+fit`` and then the two bare loops; its ratio is fit / bare loop with the batch in memory, its loop ratio fit / bare
+loop with the loader (what the loop, the callbacks and the logging add), its data ratio the one bare loop / the other
+(what loading adds); the page gives the medians over the repeats, and the ratio's range.
 
 One more ``moh fit`` per config runs with Lightning's ``SimpleProfiler`` over the same window (``quick``: the timed
 run itself); its fastest period splits into the data, ``training_step``, ``backward``, the optimizer, each callback
-and the rest (Lightning's loop and the logging outside ``training_step``), beside the parts of the fastest bare
-loop's fastest period. Rows go to ``parity.json`` (one per config, a later row of the same config replacing it) and
-the page ``parity.md`` beside it.
+and the rest (Lightning's loop and the logging outside ``training_step``), beside the parts of each kind of bare loop
+in its fastest run's fastest period. Rows go to ``parity.json`` (one per config and thread count, a later row of the
+same replacing it) and the page ``parity.md`` beside it.
 """
 from __future__ import annotations
 
@@ -165,11 +168,12 @@ def fit_run(config: str, folder: Path, first: int, steps: int, profile: bool, th
     return record
 
 
-def bare_run(checkpoint: str, settings: dict, steps: int, folder: Path, threads: int | None = None) -> dict:
+def bare_run(checkpoint: str, settings: dict, steps: int, folder: Path, threads: int | None = None,
+             loader: bool = False) -> dict:
     """The bare loop of ``checkpoint``'s task for ``steps`` steps, in a fresh process (``bare_loop``)."""
-    out = folder.resolve() / "bare.json"
+    out = folder.resolve() / f"bare{'_loader' if loader else ''}.json"
     command = [sys.executable, "-m", __spec__.name, "bare", "--checkpoint", checkpoint, "--settings",
-               json.dumps(settings), "--steps", str(steps), "--out", str(out)]
+               json.dumps(settings), "--steps", str(steps), "--out", str(out)] + (["--loader"] if loader else [])
     _run(command, folder, threads, "the bare loop")
     return json.loads(out.read_text())
 
@@ -193,9 +197,9 @@ def logging_off(task: LightningModule) -> Iterator[None]:
         del task.log, task.log_dict
 
 
-def bare_loop(checkpoint: str, settings: dict, steps: int) -> dict:
-    """``steps`` bare steps of ``checkpoint``'s task on one batch of its loader: when each starts (wall and CPU
-    clocks), and the seconds of its parts."""
+def bare_setup(checkpoint: str, settings: dict) -> tuple[LightningModule, LightningDataModule, Trainer]:
+    """The task and data module a ``moh fit`` run saved in ``checkpoint``, and a trainer that has run a fit of no
+    steps on them: the task's ``configure_optimizers`` has built its optimizer and scheduler, the data is set up."""
     if settings["accumulate_grad_batches"] != 1:
         raise SystemExit("moh bench: parity: the bare loop steps the optimizer every batch; the run accumulates "
                          f"{settings['accumulate_grad_batches']} batches.")
@@ -206,25 +210,40 @@ def bare_loop(checkpoint: str, settings: dict, steps: int) -> dict:
             importlib.import_module(module)
     task = LightningModule.load_from_checkpoint(checkpoint, map_location="cpu")
     data = LightningDataModule.load_from_checkpoint(checkpoint)
-    # A fit of no steps: the task's configure_optimizers, with a trainer to read, and the data module set up.
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=0, max_epochs=settings["max_epochs"],
                       precision=settings["precision"], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(task, datamodule=data)
+    return task, data, trainer
+
+
+def _endless(loader) -> Iterator:
+    while True:  # epoch after epoch, as the fit's loop draws them
+        yield from loader
+
+
+def bare_loop(checkpoint: str, settings: dict, steps: int, loader: bool = False) -> dict:
+    """``steps`` bare steps of ``checkpoint``'s task: when each starts (wall and CPU clocks), and the seconds of its
+    parts. ``loader``: a new batch of the run's loader every step (its loading and augmenting are the ``data`` part),
+    else the first one, kept in memory."""
+    task, data, trainer = bare_setup(checkpoint, settings)
     (optimizer,) = trainer.optimizers
     schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     clip, by_value = settings["gradient_clip_val"], settings["gradient_clip_algorithm"] == "value"
-    # One batch of the run's loader, through the transfer hooks the fit's batches pass (the data module's device-side
-    # augmentation among them), once: from then on it is in memory.
-    batch = trainer.strategy.batch_to_device(next(iter(data.train_dataloader())))
+    # Every batch passes the transfer hooks the fit's batches pass (the data module's device-side augmentation).
+    batches = _endless(data.train_dataloader())
+    batch = trainer.strategy.batch_to_device(next(batches))
     task.train()
     wall, cpu = [], []
-    parts = {"training_step": [], "backward": [], "optimizer": []}  # no data part: the batch is in memory
+    parts: dict[str, list[float]] = {"data": [], "training_step": [], "backward": [], "optimizer": []}
     with logging_off(task):
         for i in range(steps):
             wall.append(time.perf_counter())
             cpu.append(time.process_time())
+            if loader:
+                batch = trainer.strategy.batch_to_device(next(batches))
+            fetched = time.perf_counter()
             with trainer.precision_plugin.train_step_context():
                 loss = task.training_step(batch, i)
             forward = time.perf_counter()
@@ -239,7 +258,8 @@ def bare_loop(checkpoint: str, settings: dict, steps: int) -> dict:
             optimizer.step()
             for scheduler in schedulers:
                 task.lr_scheduler_step(scheduler, None)
-            parts["training_step"].append(forward - wall[-1])
+            parts["data"].append(fetched - wall[-1])
+            parts["training_step"].append(forward - fetched)
             parts["backward"].append(backward - zeroed)
             parts["optimizer"].append(zeroed - forward + time.perf_counter() - backward)
     return {"wall": wall, "cpu": cpu, "parts": parts, "threads": torch.get_num_threads(), "batch": batch_size(batch)}
@@ -290,54 +310,54 @@ def timings(record: dict, bounds: list[int]) -> dict[str, float]:
 
 
 def bare_parts(bare: dict, bounds: list[int]) -> dict[str, float]:
-    """The bare loop's parts in ms per step in its fastest period; ``rest`` is the step less them."""
+    """A bare loop's parts in ms per step in its fastest period; ``rest`` is the step less them."""
     means = period_means(bare["wall"], bounds)
     k = fastest_period(means)
     start, end = bounds[k], bounds[k + 1]
-    parts = {"data": 0.0, **{name: sum(seconds[start:end]) * 1e3 / (end - start)
-                             for name, seconds in bare["parts"].items()}}
+    parts = {name: sum(seconds[start:end]) * 1e3 / (end - start) for name, seconds in bare["parts"].items()}
     parts["rest"] = means[k] * 1e3 - sum(parts.values())
     return parts
 
 
-def parity_row(config: str, repeats: list[tuple[dict, dict, list[float]]], profiled: dict | None, warmup: int,
-               steps: int, late: int) -> dict:
-    """One row of ``parity.json`` from the repeats' (fit record, bare record, load) and the profiled fit's record:
-    the fit's window starts after ``warmup + late`` steps, the bare loop's after ``warmup`` (no callback to wait for).
-    """
-    block = repeats[0][0]["settings"]["log_every_n_steps"]
+def parity_row(config: str, repeats: list[dict], profiled: dict | None, warmup: int, steps: int, late: int) -> dict:
+    """One row of ``parity.json`` from the repeats' records (``fit``, ``bare``: the batch in memory, ``loader``: the
+    real loader, and the ``load``) and the profiled fit's: the fit's window starts after ``warmup + late`` steps, the
+    bare loops' after ``warmup`` (no callback to wait for)."""
+    block = repeats[0]["fit"]["settings"]["log_every_n_steps"]
     first = warmup + late
     bounds, bare_bounds = periods(first, steps, block), periods(warmup, steps, block)
     runs = []
-    for fit, bare, load in repeats:
-        ours, theirs = timings(fit, bounds), timings(bare, bare_bounds)
-        runs.append({"fit": ours, "bare": theirs, "ratio": ours["ms"] / theirs["ms"],
-                     "cpu_ratio": ours["cpu_ms"] / theirs["cpu_ms"],
-                     "mean_ratio": ours["mean_ms"] / theirs["mean_ms"],
-                     "median_ratio": ours["median_ms"] / theirs["median_ms"], "load": load,
-                     "checkpoints": [b for b in fit["checkpoints"] if first <= b < first + steps],
-                     "epoch_ends": [b - 1 for b in fit["epochs"] if first < b <= first + steps]})
+    for repeat in repeats:
+        fit, bare = timings(repeat["fit"], bounds), timings(repeat["bare"], bare_bounds)
+        loader = timings(repeat["loader"], bare_bounds)
+        runs.append({"fit": fit, "bare": bare, "loader": loader, "ratio": fit["ms"] / bare["ms"],
+                     "loop_ratio": fit["ms"] / loader["ms"], "data_ratio": loader["ms"] / bare["ms"],
+                     "cpu_ratio": fit["cpu_ms"] / bare["cpu_ms"], "mean_ratio": fit["mean_ms"] / bare["mean_ms"],
+                     "median_ratio": fit["median_ms"] / bare["median_ms"], "load": repeat["load"],
+                     "checkpoints": [b for b in repeat["fit"]["checkpoints"] if first <= b < first + steps],
+                     "epoch_ends": [b - 1 for b in repeat["fit"]["epochs"] if first < b <= first + steps]})
+
+    def median(*keys: str) -> float:
+        return statistics.median(r[keys[0]][keys[1]] if len(keys) == 2 else r[keys[0]] for r in runs)
+
     ratios = [r["ratio"] for r in runs]
-    fit, bare, _ = repeats[0]
+    fit, bare = repeats[0]["fit"], repeats[0]["bare"]
     row = {"config": config, "task": fit["task"], "batch": fit["batch"], "bare_batch": bare["batch"], "device": "cpu",
            "cpu": cpu_name(), "cores": os.cpu_count(), "threads": fit["threads"], "bare_threads": bare["threads"],
            "first": first, "steps": steps, "late_start": late, "log_every_n_steps": block,
-           "fit_ms": statistics.median(r["fit"]["ms"] for r in runs),
-           "bare_ms": statistics.median(r["bare"]["ms"] for r in runs),
+           "fit_ms": median("fit", "ms"), "bare_ms": median("bare", "ms"), "loader_ms": median("loader", "ms"),
            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-           "cpu_ratio": statistics.median(r["cpu_ratio"] for r in runs),
-           "mean_ratio": statistics.median(r["mean_ratio"] for r in runs),
-           "median_ratio": statistics.median(r["median_ratio"] for r in runs), "repeats": runs,
-           "torch": torch.__version__, "lightning": lightning.__version__,
+           **{key: median(key) for key in ("loop_ratio", "data_ratio", "cpu_ratio", "mean_ratio", "median_ratio")},
+           "repeats": runs, "torch": torch.__version__, "lightning": lightning.__version__,
            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if profiled is not None:  # each side's least disturbed period: the profiled fit's, the fastest bare loop's
+    if profiled is not None:  # each side's least disturbed period: the profiled fit's, the fastest bare loops'
         means = period_means(profiled["wall"], bounds)
         k = fastest_period(means)
-        fastest = min(range(len(runs)), key=lambda i: runs[i]["bare"]["ms"])
         row["profile"] = {"period_ms": means[k] * 1e3, "period": [bounds[k], bounds[k + 1] - 1],
-                          **breakdown(profiled["profile"][k], bounds[k + 1] - bounds[k], means[k] * 1e3),
-                          "bare_parts": bare_parts(repeats[fastest][1], bare_bounds)}
-        row["profile"]["bare_ms"] = sum(row["profile"]["bare_parts"].values())
+                          **breakdown(profiled["profile"][k], bounds[k + 1] - bounds[k], means[k] * 1e3)}
+        for kind in ("bare", "loader"):
+            fastest = min(range(len(runs)), key=lambda i: runs[i][kind]["ms"])
+            row["profile"][f"{kind}_parts"] = bare_parts(repeats[fastest][kind], bare_bounds)
     return row
 
 
@@ -363,18 +383,21 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
                 load_before = os.getloadavg()[0]
                 fit = fit_run(config, folder, first, steps, quick and profile, threads)
                 bare = bare_run(fit["checkpoint"], fit["settings"], warmup + steps + 1, folder, threads)
-                measured.append((fit, bare, [load_before, os.getloadavg()[0]]))
+                loader = bare_run(fit["checkpoint"], fit["settings"], warmup + steps + 1, folder, threads, loader=True)
+                measured.append({"fit": fit, "bare": bare, "loader": loader,
+                                 "load": [load_before, os.getloadavg()[0]]})
                 block = fit["settings"]["log_every_n_steps"]
                 print(f"moh bench: parity {config} repeat {repeat + 1}/{repeats}: moh fit "
                       f"{timings(fit, periods(first, steps, block))['ms']:.1f} ms/step, bare loop "
-                      f"{timings(bare, periods(warmup, steps, block))['ms']:.1f} ms/step", flush=True)
-            profiled = measured[0][0] if quick else None
+                      f"{timings(bare, periods(warmup, steps, block))['ms']:.1f} ms/step (with the loader "
+                      f"{timings(loader, periods(warmup, steps, block))['ms']:.1f})", flush=True)
+            profiled = measured[0]["fit"] if quick else None
             if profile and not quick:
                 (Path(scratch) / "profile").mkdir()
                 profiled = fit_run(config, Path(scratch) / "profile", first, steps, True, threads)
         row = parity_row(config, measured, profiled if profile else None, warmup, steps, late)
         row["command"] = command
-        rows = [r for r in rows if r["config"] != config] + [row]
+        rows = [r for r in rows if (r["config"], r["threads"]) != (config, row["threads"])] + [row]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rows, indent=1) + "\n")  # after every config: a stopped bench keeps its rows
         path.with_suffix(".md").write_text(page(rows))
@@ -396,70 +419,81 @@ def page(rows: list[dict]) -> str:
     lines = [
         "# Loop parity: `moh fit`'s training step against a bare PyTorch loop", "",
         f"Generated by `{'`, `'.join(commands)}`. Machine: {first['cpu']}, {first['cores']} CPU cores; torch "
-        f"{first['torch']}, Lightning {first['lightning']}; {first['threads']} torch threads in both loops.", "",
-        "Each repeat runs `moh fit --config <config>` (validation and the progress bar off, on the CPU) and then a "
-        "bare PyTorch loop of the same network, batch, optimizer and loss, each in a process of its own. The bare loop "
-        "takes the task and data module from that run's last checkpoint, the optimizer and scheduler from the task's "
-        "`configure_optimizers`, one batch of the real loader kept in memory, and runs the task's `training_step` "
-        "(loss and load-balance term; `self.log` a no-op), `zero_grad`, `backward`, the run's gradient clipping, "
-        "`optimizer.step` and the scheduler's step. The window is cut into logging periods (`log_every_n_steps` "
-        "steps, each holding one logging window); a step is the mean time between batch starts in the fastest period: "
-        "every period holds the same work, what comes every logging window included, and the fastest is the one "
-        "other work on the machine disturbed least. Ratio = moh fit / bare loop, the median over the repeats and "
-        "their range; the CPU-time ratio is the same on the process CPU clock; the mean ratio takes every step of the "
-        "window (epoch ends and checkpoints in it included, and any load); the median-step ratio leaves out whatever "
-        "comes only every few steps.", "",
-        f"| config | task | batch | window (steps) | moh fit ms/step | bare loop ms/step | ratio (range) | "
-        f"≤ {TARGET:.2f} | CPU-time ratio | mean ratio | median-step ratio | load (1 min) | measured |",
-        "|" + "---|" * 13]
+        f"{first['torch']}, Lightning {first['lightning']}; each row's torch threads in all its loops.", "",
+        "Each repeat runs `moh fit --config <config>` (validation and the progress bar off, on the CPU), then two bare "
+        "PyTorch loops of the same network, batch, optimizer and loss, each in a process of its own. A bare loop takes "
+        "the task and data module from that run's last checkpoint and the optimizer and scheduler from the task's "
+        "`configure_optimizers`, and runs the task's `training_step` (loss and load-balance term; `self.log` a "
+        "no-op), `zero_grad`, `backward`, the run's gradient clipping, `optimizer.step` and the scheduler's step: "
+        "one on a batch of the real loader kept in memory, one on a new batch of the loader every step (its loading "
+        "and augmenting timed). The window is cut into logging periods (`log_every_n_steps` steps, each holding one "
+        "logging window); a step is the mean time between batch starts in the fastest period: every period holds the "
+        "same work, what comes every logging window included, and the fastest is the one other work on the machine "
+        "disturbed least.", "",
+        "Ratio = moh fit / bare loop with the batch in memory (the target's), the median over the repeats and their "
+        "range; it is the loop ratio (moh fit / bare loop with the loader: what Lightning's loop, the callbacks and "
+        "the logging add) times the data ratio (with the loader / in memory: what loading the batches adds). The "
+        "CPU-time ratio is the ratio on the process CPU clock; the mean ratio takes every step of the window (epoch "
+        "ends and checkpoints in it included, and any load).", "",
+        f"| config | task | batch | threads | window (steps) | moh fit ms/step | bare, loader ms/step | "
+        f"bare, in memory ms/step | ratio (range) | ≤ {TARGET:.2f} | loop ratio | data ratio | CPU-time ratio | "
+        f"mean ratio | load (1 min) | measured |",
+        "|" + "---|" * 16]
     for r in rows:
         loads = [x for run in r["repeats"] for x in run["load"]]
         count = len(r["repeats"])
         lines.append(
-            f"| {r['config']} | {r['task']} | {r['batch']} | {r['first']}-{r['first'] + r['steps'] - 1} | "
-            f"{r['fit_ms']:.1f} | {r['bare_ms']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, "
-            f"{count} repeat{'s' if count > 1 else ''}) | {'yes' if r['ratio'] <= TARGET else '**no**'} | "
-            f"{r['cpu_ratio']:.2f} | {r['mean_ratio']:.2f} | {r['median_ratio']:.2f} | "
+            f"| {r['config']} | {r['task']} | {r['batch']} | {r['threads']} | "
+            f"{r['first']}-{r['first'] + r['steps'] - 1} | {r['fit_ms']:.1f} | {r['loader_ms']:.1f} | "
+            f"{r['bare_ms']:.1f} | {r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, {count} "
+            f"repeat{'s' if count > 1 else ''}) | {'yes' if r['ratio'] <= TARGET else '**no**'} | "
+            f"{r['loop_ratio']:.2f} | {r['data_ratio']:.2f} | {r['cpu_ratio']:.2f} | {r['mean_ratio']:.2f} | "
             f"{min(loads):.1f}-{max(loads):.1f} | {r['measured']} |")
     busy = shared_machine([max(x for r in rows for run in r["repeats"] for x in run["load"])], [0.0])
     if busy:
-        lines += ["", f"{busy}: each ratio pairs two runs made back to back, but load that falls on one of them "
-                      f"moves it; the range and the CPU-time ratio show by how much."]
+        lines += ["", f"{busy}: each ratio pairs runs made back to back, but load that falls on one of them moves "
+                      f"it; the range shows by how much."]
     for r in rows:
         lines += _gap_section(r)
     return "\n".join(lines) + "\n"
 
 
 def _gap_section(row: dict) -> list[str]:
-    """Where one config's gap is: the profiled fit's parts beside the bare loop's, and each callback."""
+    """Where one config's gap is: the profiled fit's parts beside the bare loops', and each callback."""
     profile = row.get("profile")
     if profile is None:
         return []
-    fit, bare = profile["parts"], profile["bare_parts"]
+    fit, loader, bare = profile["parts"], profile["loader_parts"], profile["bare_parts"]
     events = [f"{len(run[kind])} {name}" for run in row["repeats"][:1]
               for kind, name in (("epoch_ends", "epoch ends"), ("checkpoints", "checkpoints"))]
     start, end = profile["period"]
-    gap = profile["period_ms"] - profile["bare_ms"]
-    lines = ["", f"## Where the gap is: {row['config']}", "",
+    lines = ["", f"## Where the gap is: {row['config']}, {row['threads']} thread{'s' if row['threads'] > 1 else ''}",
+             "",
              f"One more `moh fit` under `--trainer.profiler simple`, the same window: its fastest logging period "
-             f"(steps {start}-{end}) beside the fastest period of the fastest bare loop, in ms per step (the window "
-             f"of the first repeat also held {' and '.join(events)}, which a period may leave out; the mean ratio "
-             f"above counts them).", "",
-             "| part of the step | moh fit ms | bare loop ms | gap ms |", "|---|---|---|---|"]
+             f"(steps {start}-{end}) beside the fastest period of the fastest bare loop of each kind, in ms per step "
+             f"(the window of the first repeat also held {' and '.join(events)}, which a period may leave out; the "
+             f"mean ratio above counts them).", "",
+             "| part of the step, ms | moh fit | bare, loader | bare, in memory | moh fit - in memory |",
+             "|---|---|---|---|---|"]
     for name in ("data", "training_step", "backward", "optimizer"):
-        lines.append(f"| {PARTS[name]} | {fit[name]:.2f} | {bare[name]:.2f} | {fit[name] - bare[name]:+.2f} |")
+        lines.append(f"| {PARTS[name]} | {fit[name]:.2f} | {loader[name]:.2f} | {bare[name]:.2f} | "
+                     f"{fit[name] - bare[name]:+.2f} |")
     small = []
     for name, entry in profile["callbacks"].items():
         if entry["ms"] < 0.005:
             small.append(entry["ms"])
             continue
         lines.append(f"| callback `{name}` (most in `{entry['hook']}`: {entry['calls']} calls, the longest "
-                     f"{entry['longest_ms']:.1f} ms) | {entry['ms']:.2f} | 0 | {entry['ms']:+.2f} |")
+                     f"{entry['longest_ms']:.1f} ms) | {entry['ms']:.2f} | 0 | 0 | {entry['ms']:+.2f} |")
     if small:
-        lines.append(f"| {len(small)} other callbacks, under 0.005 ms each | {sum(small):.3f} | 0 | "
+        lines.append(f"| {len(small)} other callbacks, under 0.005 ms each | {sum(small):.3f} | 0 | 0 | "
                      f"{sum(small):+.3f} |")
-    lines += [f"| {PARTS['rest']} | {fit['rest']:.2f} | {bare['rest']:.2f} | {fit['rest'] - bare['rest']:+.2f} |",
-              f"| **step** | **{profile['period_ms']:.1f}** | **{profile['bare_ms']:.1f}** | **{gap:+.1f}** |"]
+    steps = {name: sum(parts.values()) for name, parts in (("fit", fit), ("loader", loader), ("bare", bare))}
+    steps["fit"] += sum(entry["ms"] for entry in profile["callbacks"].values())
+    lines += [f"| {PARTS['rest']} | {fit['rest']:.2f} | {loader['rest']:.2f} | {bare['rest']:.2f} | "
+              f"{fit['rest'] - bare['rest']:+.2f} |",
+              f"| **step** | **{steps['fit']:.1f}** | **{steps['loader']:.1f}** | **{steps['bare']:.1f}** | "
+              f"**{steps['fit'] - steps['bare']:+.1f}** |"]
     return lines
 
 
@@ -471,8 +505,9 @@ def _main() -> None:
     parser.add_argument("--settings", required=True, help="the fit's trainer settings (StepClock's), as JSON")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--loader", action="store_true", help="a new batch of the run's loader every step")
     args = parser.parse_args()
-    record = bare_loop(args.checkpoint, json.loads(args.settings), args.steps)
+    record = bare_loop(args.checkpoint, json.loads(args.settings), args.steps, args.loader)
     Path(args.out).write_text(json.dumps(record))
 
 
