@@ -129,13 +129,16 @@ def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(t
     assert "4 shared heads (no routed heads)" in summary and "No routed head fell under 1%" in summary
 
 
-def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path):
+@pytest.mark.parametrize(("every", "drawn"), [(None, [2]), (2, [2, 6])])
+def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path, every, drawn):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = _fit(TinyTask(), logger, tmp_path)
+    trainer = _fit(TinyTask(), logger, tmp_path, **({} if every is None else {"images_every_n_windows": every}))
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = events.Tags()
     assert {"head_load/heatmap_train", "head_load/heatmap_val", "head_load/per_class_layer_00"} <= set(tags["images"])
-    assert len(events.Images("head_load/heatmap_train")) == 3 and len(events.Images("head_load/heatmap_val")) == 2
+    # Windows end at steps 2, 4 and 6; the first window and every n-th after it are drawn (by default the 10th).
+    assert [image.step for image in events.Images("head_load/heatmap_train")] == drawn
+    assert len(events.Images("head_load/heatmap_val")) == 2
     assert not tags["histograms"] and not tags["distributions"]
     assert "head_load_balance/final_load_entropy" in tags["scalars"]
     assert "head_load/summary/text_summary" in tags["tensors"]

@@ -27,9 +27,11 @@ pytestmark = pytest.mark.slow
 
 NAME = "vit_tiny_mnist_75"
 RUN = Path("runs") / NAME / "version_0"
-# The embedded ViT shrunk to seconds: 7 steps of 5 batches an epoch, a validation after step 3, a checkpoint every 3.
+# The embedded ViT shrunk to seconds: 7 steps of 5 batches an epoch, a validation after step 3, a checkpoint every 3,
+# a heatmap every step (so that a resumed run that logged one twice is seen).
 ARGS = ["--config", f"{NAME}.yaml", "--trainer.max_steps=7", "--trainer.limit_train_batches=5",
         "--trainer.limit_val_batches=2", "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1",
+        "--head_load.images_every_n_windows=1",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         "--model.init_args.arch.depth=1", "--data.init_args.batch_size=16", "--checkpoint.every_n_train_steps=3"]
 # The README's recipes.

@@ -10,9 +10,9 @@ that use it. Counts are summed over a logging window of training batches and ove
 validation set. A routed head's *balanced* load is top-k / routed heads. What is logged, with the same names in every
 task (TensorBoard groups tags by their first path part, so the images come first, in one group):
 
-* ``head_load/heatmap_train`` (every logging window), ``head_load/heatmap_val`` (each validation) and
-  ``head_load/heatmap_test`` (``moh test``): layers x heads, shared heads marked, loads in % of tokens written in the
-  cells, coloured by load / balanced load.
+* ``head_load/heatmap_train`` (every ``images_every_n_windows``-th logging window, the first one included),
+  ``head_load/heatmap_val`` (each validation) and ``head_load/heatmap_test`` (``moh test``): layers x heads, shared
+  heads marked, loads in % of tokens written in the cells, coloured by load / balanced load.
 * ``head_load/per_<group>_layer_XX`` (each validation, every routed layer): groups x routed heads, the groups being
   what the task's ``head_load_groups`` returns, named by its ``head_load_group_name`` (class, source), and for a task
   that exposes ``last_timesteps`` (diffusion) also the timestep in ``timestep_buckets`` buckets (``per_timestep``).

@@ -35,13 +35,15 @@ class HeadLoadCallback(Callback):
             on, and the summary lists it.
         timestep_buckets: Buckets of diffusion timesteps for the ``per_timestep`` heatmaps (tasks that expose
             ``last_timesteps``); 0 switches them off.
-        images_every_n_windows: Log the training heatmap every this many logging windows (1 = every window).
+        images_every_n_windows: Log the training heatmap every this many logging windows, the first window
+            included (1 = every window). Drawing a card takes ~0.1 s of host time (matplotlib), which every window
+            of a small model's CPU run would add to its step time: the per-head scalars come every window.
         hparam_metrics: Scalar tags shown as metrics beside the hyper-parameters (TensorBoard HParams); None: the
             ones the run logs (its task's, its callbacks', the final load entropy: ``summary.hparam_metrics``).
     """
 
     def __init__(self, log_every_n_steps: int | None = None, low_load: float = 0.01, max_groups: int = 12,
-                 collapse_windows: int = 5, timestep_buckets: int = 4, images_every_n_windows: int = 1,
+                 collapse_windows: int = 5, timestep_buckets: int = 4, images_every_n_windows: int = 10,
                  hparam_metrics: list[str] | None = None) -> None:
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
