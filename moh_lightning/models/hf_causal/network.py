@@ -231,7 +231,7 @@ def attention_layers(hf: nn.Module) -> list[nn.Module]:
     """The attention modules of a ``transformers`` model, in layer order; a model whose attention does not go
     through the attention interface stops in one line naming it."""
     name = type(hf).__name__
-    layers = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    layers = [m for m in hf.modules() if hf_moh.is_attention_layer(m)]
     if not type(hf)._can_set_attn_implementation() or not layers:
         raise ValueError(_bypasses_interface(name))
     if len(layers) != hf.config.num_hidden_layers:

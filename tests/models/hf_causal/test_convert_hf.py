@@ -165,8 +165,9 @@ def test_head_sparse_execution_computes_the_masked_logits():
 #: Families of the installed transformers that once ended ``convert-hf`` in a traceback, each standing for a kind
 #: (``results/hf_families.py`` converts every family): a composite's language model under ``text_config`` (Gemma 3),
 #: per-layer head widths (Gemma 4), an infinite config value (Falcon-H1), a folder without a tokenizer whose family's
-#: tokenizer class fails on it (CTRL).
-CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl")
+#: tokenizer class fails on it (CTRL), attention residuals that call the attention interface over the depth's block
+#: outputs, not over tokens with heads (Inkling 2: the gates once asked them for a ``layer_idx``).
+CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl", "inkling2_text")
 
 
 @pytest.mark.parametrize("model_type", CONVERTED_EXACTLY)
