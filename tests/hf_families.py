@@ -86,7 +86,9 @@ _TINY = [
 ]
 #: What the name rules cannot derive: fields that must agree with the new depth or widths.
 _TINY_EXTRA = {"gpt_neo": {"attention_types": [[["global", "local"], 1]]}, "xlnet": {"d_head": 16},
-               "reformer": {"is_decoder": True}}
+               "reformer": {"is_decoder": True},
+               # Layers with heads of their own number: Laguna's each, Inkling's sliding ones.
+               "laguna": {"num_attention_heads_per_layer": [4, 8]}, "inkling_text": {"swa_num_attention_heads": 8}}
 
 
 def _tiny_fields(config: dict) -> dict:
@@ -114,24 +116,26 @@ def _tiny_fields(config: dict) -> dict:
     return out
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
     """A tiny version of transformers' default config of ``model_type``: 2 layers, width 64, 4 heads (2 key / value
-    heads), a 320-token vocabulary, a few experts; derived per-layer lists rebuilt for the new depth."""
+    heads), a 320-token vocabulary, a few experts; derived per-layer lists rebuilt for the new depth; ``overrides``
+    on top."""
     from transformers.models.auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
     default = config_class().to_dict()
     fields = {k: v for k, v in default.items() if k not in ("layer_types", "attention_layers")}
-    return config_class.from_dict({**fields, **_tiny_fields(default), **_TINY_EXTRA.get(model_type, {})})
+    return config_class.from_dict({**fields, **_tiny_fields(default), **_TINY_EXTRA.get(model_type, {}),
+                                   **overrides})
 
 
-def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
-    """A tiny random causal LM of any ``model_type`` transformers knows (``tiny_config``), saved to ``folder`` without
-    a tokenizer, as a folder of weights alone."""
+def save_tiny(model_type: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random causal LM of any ``model_type`` transformers knows (``tiny_config`` with ``overrides``), saved to
+    ``folder`` without a tokenizer, as a folder of weights alone."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
     model.save_pretrained(folder)
     return folder
 

@@ -183,6 +183,32 @@ def test_a_family_of_each_kind_converts_with_the_source_logits(model_type, tmp_p
         assert torch.equal(converted(input_ids=_ids()).logits, original(input_ids=_ids()).logits)
 
 
+def test_layers_with_heads_of_their_own_number_take_a_budget_each(tmp_path):
+    """Laguna's layers have 4 and 8 query heads (``num_attention_heads_per_layer``; Inkling's sliding layers have
+    their own too): the budget is each layer's, and every head kept computes the source's logits. The gates once took
+    ``num_attention_heads`` for every layer and kept 4 of the second layer's 8 heads."""
+    from hf_families import save_tiny
+
+    source = save_tiny("laguna", tmp_path / "source")
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "all"), "--num_shared_heads", "[2, 4]",
+         "--top_k", "[2, 4]"])
+    original = AutoModelForCausalLM.from_pretrained(source).eval()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "all", trust_remote_code=True).eval()
+    assert torch.equal(_logits(converted, _ids()), _logits(original, _ids()))
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "75")])
+    config = json.loads((tmp_path / "75" / "config.json").read_text())
+    assert (config["moh_num_shared_heads"], config["moh_top_k"]) == ([2, 4], [1, 2])
+    suite = build_hf_causal(read_source_config(str(tmp_path / "75")), MoHConfig(router="query_norm"),
+                            weights=str(tmp_path / "75")).eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "75", trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(suite(_ids()), exported(_ids()).logits, atol=2e-5, rtol=1e-5)
+    assert [layer.last_gates.sum(-1).unique().tolist() for layer in moh_layers(suite)] == [[3.0], [6.0]]
+    with pytest.raises(SystemExit, match=r"^moh convert-hf: --top_k has 3 entries for 2 attention layers: give one "
+                                         r"per layer or a single int\.$"):
+        moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "x"), "--top_k", "[1, 1, 1]"])
+
+
 def test_a_family_that_picks_its_attention_class_by_name_is_one_line(tmp_path):
     """GIT looks its attention class up by implementation name (``KeyError: 'moh_eager'`` once)."""
     from hf_families import save_tiny
