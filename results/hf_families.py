@@ -43,7 +43,9 @@ def convert(model_type: str, root: Path) -> tuple[str, str]:
             return "not built", f"{size / 1e6:.0f}M parameters once shrunk"
         save_tiny(model_type, root / "source")
     except Exception as error:  # noqa: BLE001 - any failure to build is this script's, recorded as such
-        return "not built", f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
+        # A config validator's cause is on the message's second line.
+        reason = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])
+        return "not built", f"{type(error).__name__}: {reason[:200]}"
     try:  # every head kept: half of each layer's heads shared, every other one routed
         heads = query_heads(language_model_config(config))
     except Exception:  # noqa: BLE001 - convert-hf meets the same and says it below, as a refusal or a traceback

@@ -228,7 +228,7 @@ def query_heads(config) -> list[int]:
     built on the meta device, so before any weight is read; a family without heads to gate stops in one line."""
     from transformers import AutoModelForCausalLM
 
-    if not getattr(config, "num_attention_heads", None):
+    if not getattr(layer_config(config, 0), "num_attention_heads", None):
         raise ValueError(f"model_type={config.model_type!r}: this family has no attention heads "
                          f"(num_attention_heads) for MoH to gate; convert a model with multi-head attention.")
     family_class = _family_class(config)
@@ -241,8 +241,14 @@ def query_heads(config) -> list[int]:
 
 def layer_heads(layer: nn.Module, config) -> int:
     """The query heads of one attention layer: the layer's own count where the family sets one per layer (Laguna's
-    ``num_attention_heads_per_layer``, Inkling's sliding layers), else the config's ``num_attention_heads``."""
-    return getattr(layer, "num_heads", None) or config.num_attention_heads
+    ``num_attention_heads_per_layer``, Inkling's sliding layers), else its config's ``num_attention_heads``."""
+    return getattr(layer, "num_heads", None) or layer_config(config, layer.layer_idx).num_attention_heads
+
+
+def layer_config(config, index: int):
+    """The config of layer ``index``: ``config`` itself, or its layer's where fields vary by layer (a heterogeneous
+    config, dots3's, refuses to read those fields from the whole model's)."""
+    return config.per_layer_config[index] if getattr(config, "is_heterogeneous", False) else config
 
 
 def attention_layers(hf: nn.Module) -> list[nn.Module]:
@@ -250,11 +256,12 @@ def attention_layers(hf: nn.Module) -> list[nn.Module]:
     through the attention interface stops in one line naming it."""
     name = type(hf).__name__
     layers = [m for m in hf.modules() if hf_moh.is_attention_layer(m)]
-    if not type(hf)._can_set_attn_implementation() or not layers:
+    if not type(hf)._can_set_attn_implementation():
         raise ValueError(_bypasses_interface(name))
     if len(layers) != hf.config.num_hidden_layers:
         raise ValueError(f"{name}: found {len(layers)} attention layers for num_hidden_layers="
-                         f"{hf.config.num_hidden_layers}; this family is not supported.")
+                         f"{hf.config.num_hidden_layers}; MoH gates one self-attention per decoder layer, and this "
+                         f"family has layers with none (a hybrid's) or more (cross-attention): not supported.")
     return layers
 
 
@@ -301,8 +308,8 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
             # The layer's own widths: Gemma 4's head width differs between its sliding and its full-attention layers,
             # Inkling's sliding layers have heads and key / value heads of their own.
             head_dim = getattr(layer, "head_dim", None) or family.hidden_size // heads
-            kv_heads = (getattr(layer, "num_key_value_heads", None) or getattr(family, "num_key_value_heads", None)
-                        or heads)
+            kv_heads = (getattr(layer, "num_key_value_heads", None)
+                        or getattr(layer_config(family, layer.layer_idx), "num_key_value_heads", None) or heads)
             layer.moh_heads = InterfaceHeads(heads, kv_heads, head_dim, shared, top_k, moh.router_dtype,
                                              moh.execution)
     return HFCausalLM(hf)

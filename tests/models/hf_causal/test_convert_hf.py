@@ -183,13 +183,16 @@ def test_a_family_of_each_kind_converts_with_the_source_logits(model_type, tmp_p
         assert torch.equal(converted(input_ids=_ids()).logits, original(input_ids=_ids()).logits)
 
 
-def test_layers_with_heads_of_their_own_number_take_a_budget_each(tmp_path):
-    """Laguna's layers have 4 and 8 query heads (``num_attention_heads_per_layer``; Inkling's sliding layers have
-    their own too): the budget is each layer's, and every head kept computes the source's logits. The gates once took
-    ``num_attention_heads`` for every layer and kept 4 of the second layer's 8 heads."""
+@pytest.mark.parametrize("model_type", ["laguna", "dots3_note_text"])
+def test_layers_with_heads_of_their_own_number_take_a_budget_each(model_type, tmp_path):
+    """The tiny Laguna's layers have 4 and 8 query heads (``num_attention_heads_per_layer``; Inkling's sliding layers
+    have their own too), dots3's too (a heterogeneous config: ``per_layer_config``, whose per-layer fields the whole
+    model's config refuses to read): the budget is each layer's, and every head kept computes the source's logits. The
+    gates once took ``num_attention_heads`` for every layer and kept 4 of Laguna's second layer's 8 heads, and dots3
+    stopped in a traceback."""
     from hf_families import save_tiny
 
-    source = save_tiny("laguna", tmp_path / "source")
+    source = save_tiny(model_type, tmp_path / "source")
     moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "all"), "--num_shared_heads", "[2, 4]",
          "--top_k", "[2, 4]"])
     original = AutoModelForCausalLM.from_pretrained(source).eval()
