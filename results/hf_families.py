@@ -27,6 +27,8 @@ from hf_families import save_tiny, tiny_config  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 from moh_lightning.cli import main  # noqa: E402
+from moh_lightning.models.hf_causal import query_heads  # noqa: E402
+from moh_lightning.models.hf_causal.network import language_model_config  # noqa: E402
 
 MAX_PARAMETERS = 20_000_000  # a default config that stays larger than this once shrunk is left out ("not built")
 
@@ -41,12 +43,17 @@ def convert(model_type: str, root: Path) -> tuple[str, str]:
             return "not built", f"{size / 1e6:.0f}M parameters once shrunk"
         save_tiny(model_type, root / "source")
     except Exception as error:  # noqa: BLE001 - any failure to build is this script's, recorded as such
-        return "not built", f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
-    heads = getattr(config.get_text_config(decoder=True), "num_attention_heads", None) or 4
+        # A config validator's cause is on the message's second line.
+        reason = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])
+        return "not built", f"{type(error).__name__}: {reason[:200]}"
+    try:  # every head kept: half of each layer's heads shared, every other one routed
+        heads = query_heads(language_model_config(config))
+    except Exception:  # noqa: BLE001 - convert-hf meets the same and says it below, as a refusal or a traceback
+        heads = [4]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             main(["convert-hf", "--source", str(root / "source"), "--out", str(root / "moh"), "--num_shared_heads",
-                  str(heads // 2), "--top_k", str(heads - heads // 2)])
+                  str([h // 2 for h in heads]), "--top_k", str([h - h // 2 for h in heads])])
     except SystemExit as stop:
         return "refused", str(stop).removeprefix("moh convert-hf: ")
     except Exception as error:  # noqa: BLE001 - a traceback is the outcome to record

@@ -68,69 +68,118 @@ def save_family(family: str, folder: Path, seed: int = 0) -> Path:
 #: only ever shrunk.
 _TINY = [
     (lambda key: "vocab_size" in key, 320),
-    (lambda key: key in ("hidden_size", "n_embd", "d_model", "embed_dim", "n_embed", "dim"), 64),
-    (lambda key: key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"), 2),
-    (lambda key: key in ("num_attention_heads", "n_head", "n_heads", "num_heads"), 4),
-    (lambda key: key in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), 2),
+    (lambda key: key in ("hidden_size", "n_embd", "d_model", "embed_dim", "n_embed", "dim", "emb_dim"), 64),
+    (lambda key: key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers",
+                         "decoder_layers"), 2),
+    (lambda key: key in ("num_attention_heads", "n_head", "n_heads", "num_heads", "swa_num_attention_heads",
+                         "encoder_attention_heads", "decoder_attention_heads", "index_n_heads"), 4),
+    (lambda key: key in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                         "swa_num_key_value_heads"), 2),
     (lambda key: key in ("head_dim", "v_head_dim", "qk_head_dim", "kv_channels", "attention_head_dim",
-                         "global_head_dim"), 16),
-    (lambda key: "intermediate_size" in key or key in ("ffn_dim", "n_inner", "ffn_hidden_size", "d_ff"), 96),
-    (lambda key: key in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts"), 4),
-    (lambda key: key in ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k"), 2),
+                         "global_head_dim", "swa_head_dim", "index_head_dim", "mamba_d_head"), 16),
+    (lambda key: "intermediate_size" in key or key.endswith(("ffn_dim", "ffn_hidden_size")) or key in ("n_inner",
+                                                                                                   "d_ff"), 96),
+    (lambda key: key in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts",
+                         "zero_expert_num"), 4),
+    (lambda key: key in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k_experts", "moe_k"), 2),
     (lambda key: key in ("n_shared_experts", "num_shared_experts"), 1),
     (lambda key: key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length"), 128),
     (lambda key: key == "kv_lora_rank", 16), (lambda key: key == "q_lora_rank", 24),
     (lambda key: key in ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"), 8),
     (lambda key: key == "sliding_window", 6), (lambda key: key in ("n_group", "topk_group"), 1),
+    (lambda key: key == "hidden_size_per_layer_input", 16),  # Gemma 3n's per-layer inputs
+    (lambda key: key == "num_kv_shared_layers", 0),  # Gemma 3n: later layers reuse earlier ones' keys and values
 ]
-#: What the name rules cannot derive: fields that must agree with the new depth or widths.
+#: Mixture-of-experts sizes a default may leave None, which the family's code cannot run (DeepSeek-V2, dots1).
+_EXPERTS = ("n_routed_experts", "num_experts_per_tok", "n_shared_experts")
+#: What the name rules cannot derive: fields that must agree with the new depth or widths, or defaults that do not
+#: build (the family's checkpoints give them).
 _TINY_EXTRA = {"gpt_neo": {"attention_types": [[["global", "local"], 1]]}, "xlnet": {"d_head": 16},
-               "reformer": {"is_decoder": True}}
+               "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 16]},
+               "mamba2": {"expand": 1}, "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+               "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1},
+               "dots3_note_text": {"head_dim": 16},  # its sliding layers' width: qk_nope_head_dim + qk_rope_head_dim
+               # Mamba heads of width 16 filling the tiny width times Mamba's expansion (2).
+               **dict.fromkeys(("bamba", "granitemoehybrid"), {"mamba_n_heads": 8, "mamba_d_head": 16}),
+               # Its indexed-attention layers' token indexer, which the default leaves unset.
+               "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                                  "indexer_budget": 8, "indexer_compress_ratio": 4},
+               "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}}},
+               # Layers with heads of their own number: Laguna's each, Inkling's sliding ones.
+               "laguna": {"num_attention_heads_per_layer": [4, 8]}, "inkling_text": {"swa_num_attention_heads": 8}}
+
+
+def _tiny_size(key: str, value: int) -> int:
+    new = next((size for test, size in _TINY if test(key)), None)
+    return new if new is not None and value > new else value
+
+
+def _two_layers(layer_types: list[str]) -> list[str]:
+    """Two layer types of a hybrid's list: its first, and another kind where it has one (full attention first),
+    so that a tiny hybrid keeps an attention layer beside its linear / convolution / sliding ones."""
+    others = [kind for kind in dict.fromkeys(layer_types) if kind != layer_types[0]]
+    return [layer_types[0], next((kind for kind in others if "full" in kind), others[0] if others else layer_types[0])]
 
 
 def _tiny_fields(config: dict) -> dict:
     """The fields of a default ``config`` dict to change for a tiny model, sub-configs (``text_config``) included."""
     layers, mla = config.get("num_hidden_layers"), "qk_rope_head_dim" in config
+    # Multi-head attention stays so: latent attention (DeepSeek, GLM's) expands its keys to every query head.
+    mha = config.get("num_key_value_heads") == config.get("num_attention_heads")
     out = {}
     for key, value in config.items():
         if isinstance(value, dict) and "model_type" in value:
-            out[key] = {**value, **_tiny_fields(value)}
-        elif key == "per_layer_config" and value:  # Gemma 4: one full-attention layer of its own head width
-            out[key] = {"01": {**next(iter(value.values())), "head_dim": 32}}
+            out[key] = {**value, **_tiny_fields(value), **_TINY_EXTRA.get(value["model_type"], {})}
+        elif key == "per_layer_config" and value:
+            # One layer of the kind the source overrides (Gemma 4's full attention, dots3's sliding layers), keeping
+            # its own head width and number apart from the others'.
+            entry = next(iter(value.values()))
+            out[key] = {"01": {**entry, **_tiny_fields(entry),
+                               **{k: v for k, v in (("head_dim", 32), ("num_attention_heads", 8),
+                                                    ("num_key_value_heads", 8)) if k in entry}}}
+        elif key == "layer_types" and layers and value and len(value) == layers:
+            out[key] = _two_layers(value)
         elif mla and key == "head_dim":  # multi-head latent attention's rotary width
             out[key] = 8
         elif key in ("head_dim", "num_key_value_heads") and value is None:
             out[key] = 16 if key == "head_dim" else 2
+        elif key in _EXPERTS and value is None:
+            out[key] = _tiny_size(key, 1000)
+        elif key == "num_key_value_heads" and mha:
+            out[key] = _tiny_size("num_attention_heads", value)
         elif isinstance(value, int) and not isinstance(value, bool) and key.endswith(("_token_id", "token_index")):
             if value >= 300:  # special tokens inside the tiny vocabulary
                 out[key] = 0 if key.startswith("pad") else 300 + len(out) % 20
         elif isinstance(value, int) and not isinstance(value, bool):
-            new = next((size for test, size in _TINY if test(key)), None)
-            if new is not None and value > new:
-                out[key] = new
+            if _tiny_size(key, value) != value:
+                out[key] = _tiny_size(key, value)
         elif isinstance(value, list) and layers and len(value) == layers:  # one entry a layer
-            out[key] = value[:2]
+            out[key] = [_tiny_size(key, v) if isinstance(v, int) and not isinstance(v, bool) else v
+                        for v in value[:2]]
     return out
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
     """A tiny version of transformers' default config of ``model_type``: 2 layers, width 64, 4 heads (2 key / value
-    heads), a 320-token vocabulary, a few experts; derived per-layer lists rebuilt for the new depth."""
+    heads), a 320-token vocabulary, a few experts; per-layer lists cut to the new depth (a hybrid's layer types
+    keeping an attention layer), derived ones rebuilt; ``overrides`` on top."""
     from transformers.models.auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
     default = config_class().to_dict()
     fields = {k: v for k, v in default.items() if k not in ("layer_types", "attention_layers")}
-    return config_class.from_dict({**fields, **_tiny_fields(default), **_TINY_EXTRA.get(model_type, {})})
+    return config_class.from_dict({**fields, **_tiny_fields(default), **_TINY_EXTRA.get(model_type, {}),
+                                   **overrides})
 
 
-def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
-    """A tiny random causal LM of any ``model_type`` transformers knows (``tiny_config``), saved to ``folder`` without
-    a tokenizer, as a folder of weights alone."""
+def save_tiny(model_type: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random causal LM of any ``model_type`` transformers knows (``tiny_config`` with ``overrides``), saved to
+    ``folder`` without a tokenizer, as a folder of weights alone."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
     model.save_pretrained(folder)
     return folder
 

@@ -13,6 +13,7 @@ from moh_lightning.models.hf_causal import (
     build_hf_causal,
     export_hf_causal,
     family_config,
+    query_heads,
     read_source_config,
 )
 from moh_lightning.models.llama import export_hf, from_hf
@@ -24,8 +25,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model", "sentencepiece.bpe.model")
 
 
-def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
-               dtype: str | None = None, router_dtype: str = "float32") -> str:
+def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None = None,
+               top_k: int | list[int] | None = None, dtype: str | None = None, router_dtype: str = "float32") -> str:
     """Converts any ``transformers`` causal LM whose attention goes through transformers' attention interface (Qwen2,
     Qwen3, Mistral, Phi-3, Gemma 2, LLaMA, ...) into a MoH folder with the parameter-free query-norm router.
 
@@ -38,8 +39,10 @@ def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k
     Args:
         source: The model: a local folder or a hub id.
         out: Folder to write (weights, config, ``hf_moh.py``, tokenizer, model card).
-        num_shared_heads: Always-active heads per layer (the first ones); half of the heads when None.
-        top_k: Routed heads kept per token; half of the routed heads (75% active) when None.
+        num_shared_heads: Always-active heads per layer (the first ones), or a list with one per layer (for a family
+            whose layers have heads of their own number, as Laguna's); half of each layer's heads when None.
+        top_k: Routed heads kept per token, or one per layer; half of each layer's routed heads (75% active) when
+            None.
         dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
         router_dtype: Precision of the query-norm scores: float32, or activation (the authors' code).
     """
@@ -48,22 +51,41 @@ def convert_hf(source: str, out: str, num_shared_heads: int | None = None, top_k
                          f"the source's).")
     with one_line_errors("convert-hf"):
         config = read_source_config(source)
-        heads = getattr(family_config(config), "num_attention_heads", None) or 0
-        shared = heads // 2 if num_shared_heads is None else num_shared_heads
-        kept = max(1, (heads - shared) // 2) if heads > shared else 0
-        kept = kept if top_k is None else top_k
-        moh = MoHConfig(num_shared_heads=shared, top_k=kept, router="query_norm", router_dtype=router_dtype)
+        heads = query_heads(family_config(config))
+        shared = [h // 2 if s is None else s for h, s in zip(heads, _per_layer(num_shared_heads, heads,
+                                                                               "--num_shared_heads"))]
+        kept = [(max(1, (h - s) // 2) if h > s else 0) if k is None else k
+                for h, s, k in zip(heads, shared, _per_layer(top_k, heads, "--top_k"))]
+        moh = MoHConfig(num_shared_heads=_one_or_list(shared), top_k=_one_or_list(kept), router="query_norm",
+                        router_dtype=router_dtype)
         model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
     tokenizer = source_tokenizer(source)
     written_dtype = next(model.parameters()).dtype
+    routed = [h - s for h, s in zip(heads, shared)]
+    budget = (f"{_one_or_list(shared)} shared + top-{_one_or_list(kept)} of {_one_or_list(routed)} routed heads per "
+              f"layer")
     export_hf_causal(model, out, tokenizer, source=(
         f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` ({written_dtype}): "
-        f"its weights and settings unchanged, the parameter-free query-norm router added ({shared} shared + top-"
-        f"{kept} routed heads per layer). Not yet continue-tuned: the starting point of paper section 4.4."))
-    print(f"wrote {out}: {type(model.hf).__name__}, {shared} shared + top-{kept} of {heads - shared} routed heads "
-          f"({(shared + kept) / heads:.0%} active), {str(written_dtype).removeprefix('torch.')}"
+        f"its weights and settings unchanged, the parameter-free query-norm router added ({budget}). Not yet "
+        f"continue-tuned: the starting point of paper section 4.4."))
+    print(f"wrote {out}: {type(model.hf).__name__}, {budget} ({(sum(shared) + sum(kept)) / sum(heads):.0%} active), "
+          f"{str(written_dtype).removeprefix('torch.')}"
           + ("" if tokenizer is not None else "; no tokenizer in the source: give lm-eval one (tokenizer=...)"))
     return out
+
+
+def _per_layer(value: int | list[int] | None, heads: list[int], key: str) -> list:
+    """``value`` for each layer of a model with ``heads`` per layer: a list checked to have one entry a layer."""
+    if not isinstance(value, list):
+        return [value] * len(heads)
+    if len(value) != len(heads):
+        raise ValueError(f"{key} has {len(value)} entries for {len(heads)} attention layers: give one per layer or "
+                         f"a single int.")
+    return value
+
+
+def _one_or_list(values: list[int]) -> int | list[int]:
+    return values[0] if len(set(values)) == 1 else values
 
 
 def source_tokenizer(source: str):

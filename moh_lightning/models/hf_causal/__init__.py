@@ -14,8 +14,11 @@ from moh_lightning.models.hf_causal.network import (
     default_budget,
     family_config,
     head_budget,
+    layer_heads,
+    query_heads,
     read_source_config,
 )
 
 __all__ = ["MOH_MODEL_TYPES", "HFCausalLM", "InterfaceHeads", "attention_layers", "build_hf_causal", "default_budget",
-           "export_hf_causal", "family_config", "head_budget", "model_card", "read_source_config"]
+           "export_hf_causal", "family_config", "head_budget", "layer_heads", "model_card", "query_heads",
+           "read_source_config"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moh_lightning.layers import moh_layers
 from moh_lightning.models.hf_causal import hf_moh
-from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers
+from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers, layer_heads
 
 _REMOTE_FILE = Path(hf_moh.__file__).name
 _MOH_KEYS = ("moh_num_shared_heads", "moh_top_k", "moh_router", "moh_router_dtype", "moh_base_model_type",
@@ -54,8 +54,7 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
     """The README.md of an exported folder: how to load it, its head budget, family and provenance."""
     config = model.hf.config
     layers = moh_layers(model)
-    heads = config.num_attention_heads
-    total = heads * len(attention_layers(model.hf))
+    total = sum(layer_heads(layer, config) for layer in attention_layers(model.hf))
     remote = ", trust_remote_code=True" if layers else ""
     # AutoTokenizer reads config.json first: without the model's config it would ask whether to run the remote code,
     # or, refused it, warn that a `moh` model instantiates a model of no type.
@@ -70,7 +69,7 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
                 f"the rest 0).")
         budget = [f"Activated heads: {active} of {total} ({active / total:.1%}).", "",
                   "| layer | heads | shared | top-k routed |", "|---|---|---|---|",
-                  *(f"| {i} | {heads} | {layer.num_shared_heads} | {layer.router.top_k} |"
+                  *(f"| {i} | {layer.num_heads} | {layer.num_shared_heads} | {layer.router.top_k} |"
                     for i, layer in enumerate(layers))]
     else:
         what = f"A dense `{type(model.hf).__name__}` (every head active), a plain transformers folder."

@@ -65,12 +65,22 @@ def family_attention(module: torch.nn.Module, base: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+def is_attention_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is one of the family's attention layers, whose heads MoH gates: an ``...Attention`` module
+    of a decoder layer (``layer_idx``). Other modules call the interface without heads over the tokens, and run
+    ungated: Inkling 2's block attention residuals attend over the depth's block outputs, one query per position."""
+    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
+
+
 def _moh_attention(base: str):
     def moh_attention(module, query, key, value, attention_mask, **kwargs):
         heads = getattr(module, "moh_heads", None)
         if heads is not None:  # a layer moh_lightning trains: its routing module gates and attends
             return heads(module, query, key, value, attention_mask, base=base, **kwargs)
-        out, weights = family_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
+        attention = family_attention(module, base)
+        if not is_attention_layer(module):
+            return attention(module, query, key, value, attention_mask, **kwargs)
+        out, weights = attention(module, query, key, value, attention_mask, **kwargs)
         config = module.config
         gates = query_norm_gates(query, *layer_budget(config, module.layer_idx), config.moh_router_dtype)
         return out * gates[..., None].to(out.dtype), weights                           # (B, T, h, d)

@@ -12,6 +12,7 @@ reading the source's config.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -204,7 +205,8 @@ def default_budget(num_heads: int) -> tuple[int, int]:
 
 
 def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
-    """(shared heads, routed heads kept) per layer of the family ``config`` under ``moh``.
+    """(shared heads, routed heads kept) per layer of the family ``config`` under ``moh``, each for the layer's own
+    heads (``query_heads``).
 
     ``moh``'s budget when it sets one; else the budget a MoH source folder carries (``moh_*``); else
     ``default_budget``. Only the query-norm router fits a pretrained model through the attention interface.
@@ -213,30 +215,53 @@ def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
         raise ValueError(f"moh.router={moh.router!r}: continue-tuning a transformers model takes the parameter-free "
                          f"router (set moh.router: query_norm); transformers' attention interface passes the queries, "
                          f"not the layer input a learned router reads.")
-    heads, depth = getattr(config, "num_attention_heads", None), config.num_hidden_layers
-    if not heads:
+    heads = query_heads(config)
+    if moh.num_shared_heads != 0 or moh.top_k is not None:
+        return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(heads, len(heads))]
+    if getattr(config, "moh_num_shared_heads", None) is not None:
+        return [hf_moh.layer_budget(config, i) for i in range(len(heads))]
+    return [default_budget(layer) for layer in heads]
+
+
+def query_heads(config) -> list[int]:
+    """The query heads of each attention layer of the family ``config`` (``layer_heads``), read from its model
+    built on the meta device, so before any weight is read; a family without heads to gate stops in one line."""
+    from transformers import AutoModelForCausalLM
+
+    if not getattr(layer_config(config, 0), "num_attention_heads", None):
         raise ValueError(f"model_type={config.model_type!r}: this family has no attention heads "
                          f"(num_attention_heads) for MoH to gate; convert a model with multi-head attention.")
     family_class = _family_class(config)
-    if not family_class._can_set_attn_implementation():  # a class property: refused before any weight is read
+    if not family_class._can_set_attn_implementation():  # a class property: refused before building
         raise ValueError(_bypasses_interface(family_class.__name__))
-    if moh.num_shared_heads != 0 or moh.top_k is not None:
-        return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(heads, depth)]
-    if getattr(config, "moh_num_shared_heads", None) is not None:
-        return [hf_moh.layer_budget(config, i) for i in range(depth)]
-    return [default_budget(heads)] * depth
+    with torch.device("meta"):  # from_config writes the attention implementation it picks into the config
+        hf = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return [layer_heads(layer, config) for layer in attention_layers(hf)]
+
+
+def layer_heads(layer: nn.Module, config) -> int:
+    """The query heads of one attention layer: the layer's own count where the family sets one per layer (Laguna's
+    ``num_attention_heads_per_layer``, Inkling's sliding layers), else its config's ``num_attention_heads``."""
+    return getattr(layer, "num_heads", None) or layer_config(config, layer.layer_idx).num_attention_heads
+
+
+def layer_config(config, index: int):
+    """The config of layer ``index``: ``config`` itself, or its layer's where fields vary by layer (a heterogeneous
+    config, dots3's, refuses to read those fields from the whole model's)."""
+    return config.per_layer_config[index] if getattr(config, "is_heterogeneous", False) else config
 
 
 def attention_layers(hf: nn.Module) -> list[nn.Module]:
     """The attention modules of a ``transformers`` model, in layer order; a model whose attention does not go
     through the attention interface stops in one line naming it."""
     name = type(hf).__name__
-    layers = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-    if not type(hf)._can_set_attn_implementation() or not layers:
+    layers = [m for m in hf.modules() if hf_moh.is_attention_layer(m)]
+    if not type(hf)._can_set_attn_implementation():
         raise ValueError(_bypasses_interface(name))
     if len(layers) != hf.config.num_hidden_layers:
         raise ValueError(f"{name}: found {len(layers)} attention layers for num_hidden_layers="
-                         f"{hf.config.num_hidden_layers}; this family is not supported.")
+                         f"{hf.config.num_hidden_layers}; MoH gates one self-attention per decoder layer, and this "
+                         f"family has layers with none (a hybrid's) or more (cross-attention): not supported.")
     return layers
 
 
@@ -279,11 +304,14 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
         raise ValueError(_bypasses_interface(_family_class(family).__name__)) from None
     if budget is not None:
         for layer, (shared, top_k) in zip(attention_layers(hf), budget, strict=True):
-            heads = family.num_attention_heads
-            # The layer's own head width: Gemma 4's differs between its sliding and its full-attention layers.
+            heads = layer_heads(layer, family)
+            # The layer's own widths: Gemma 4's head width differs between its sliding and its full-attention layers,
+            # Inkling's sliding layers have heads and key / value heads of their own.
             head_dim = getattr(layer, "head_dim", None) or family.hidden_size // heads
-            layer.moh_heads = InterfaceHeads(heads, getattr(family, "num_key_value_heads", None) or heads, head_dim,
-                                             shared, top_k, moh.router_dtype, moh.execution)
+            kv_heads = (getattr(layer, "num_key_value_heads", None)
+                        or getattr(layer_config(family, layer.layer_idx), "num_key_value_heads", None) or heads)
+            layer.moh_heads = InterfaceHeads(heads, kv_heads, head_dim, shared, top_k, moh.router_dtype,
+                                             moh.execution)
     return HFCausalLM(hf)
 
 
@@ -321,4 +349,4 @@ def _from_pretrained(source: str, config, implementation: str | None, dtype: tor
 
 
 __all__ = ["HFCausalLM", "InterfaceHeads", "MOH_MODEL_TYPES", "attention_layers", "build_hf_causal",
-           "default_budget", "family_config", "head_budget", "read_source_config"]
+           "default_budget", "family_config", "head_budget", "layer_heads", "query_heads", "read_source_config"]

@@ -165,8 +165,9 @@ def test_head_sparse_execution_computes_the_masked_logits():
 #: Families of the installed transformers that once ended ``convert-hf`` in a traceback, each standing for a kind
 #: (``results/hf_families.py`` converts every family): a composite's language model under ``text_config`` (Gemma 3),
 #: per-layer head widths (Gemma 4), an infinite config value (Falcon-H1), a folder without a tokenizer whose family's
-#: tokenizer class fails on it (CTRL).
-CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl")
+#: tokenizer class fails on it (CTRL), attention residuals that call the attention interface over the depth's block
+#: outputs, not over tokens with heads (Inkling 2: the gates once asked them for a ``layer_idx``).
+CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl", "inkling2_text")
 
 
 @pytest.mark.parametrize("model_type", CONVERTED_EXACTLY)
@@ -180,6 +181,35 @@ def test_a_family_of_each_kind_converts_with_the_source_logits(model_type, tmp_p
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "all", trust_remote_code=True).eval()
     with torch.no_grad():
         assert torch.equal(converted(input_ids=_ids()).logits, original(input_ids=_ids()).logits)
+
+
+@pytest.mark.parametrize("model_type", ["laguna", "dots3_note_text"])
+def test_layers_with_heads_of_their_own_number_take_a_budget_each(model_type, tmp_path):
+    """The tiny Laguna's layers have 4 and 8 query heads (``num_attention_heads_per_layer``; Inkling's sliding layers
+    have their own too), dots3's too (a heterogeneous config: ``per_layer_config``, whose per-layer fields the whole
+    model's config refuses to read): the budget is each layer's, and every head kept computes the source's logits. The
+    gates once took ``num_attention_heads`` for every layer and kept 4 of Laguna's second layer's 8 heads, and dots3
+    stopped in a traceback."""
+    from hf_families import save_tiny
+
+    source = save_tiny(model_type, tmp_path / "source")
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "all"), "--num_shared_heads", "[2, 4]",
+         "--top_k", "[2, 4]"])
+    original = AutoModelForCausalLM.from_pretrained(source).eval()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "all", trust_remote_code=True).eval()
+    assert torch.equal(_logits(converted, _ids()), _logits(original, _ids()))
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "75")])
+    config = json.loads((tmp_path / "75" / "config.json").read_text())
+    assert (config["moh_num_shared_heads"], config["moh_top_k"]) == ([2, 4], [1, 2])
+    suite = build_hf_causal(read_source_config(str(tmp_path / "75")), MoHConfig(router="query_norm"),
+                            weights=str(tmp_path / "75")).eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "75", trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(suite(_ids()), exported(_ids()).logits, atol=2e-5, rtol=1e-5)
+    assert [layer.last_gates.sum(-1).unique().tolist() for layer in moh_layers(suite)] == [[3.0], [6.0]]
+    with pytest.raises(SystemExit, match=r"^moh convert-hf: --top_k has 3 entries for 2 attention layers: give one "
+                                         r"per layer or a single int\.$"):
+        moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "x"), "--top_k", "[1, 1, 1]"])
 
 
 def test_a_family_that_picks_its_attention_class_by_name_is_one_line(tmp_path):
