@@ -69,7 +69,7 @@ from moh_lightning.settings import (
     with_run_config,
 )
 from moh_lightning.tasks.base import MoHTask
-from moh_lightning.tasks.language_model import source_arch
+from moh_lightning.tasks.language_model import not_the_sources, source_arch
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -293,6 +293,9 @@ class MoHLightningCLI(LightningCLI):
             return  # LanguageModel stops on it in one line
         named = [key.removeprefix("arch.") for key in self._named_model_keys() if key.startswith("arch.")]
         dense = init_args.arch.get("moh") is None
+        for key in named:  # a shape named otherwise than the source's, before the budget is checked against it
+            if key in network and not key.startswith("moh.") and init_args.get(f"arch.{key}") != network[key]:
+                raise SystemExit(f"moh: {not_the_sources(key, init_args.get(f'arch.{key}'), network[key], source)}")
         for key, value in network.items():
             if not (key in named or any(key.startswith(f"{name}.") for name in named) or
                     (dense and key.startswith("moh."))):
