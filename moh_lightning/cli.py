@@ -165,6 +165,10 @@ def one_line_error(message: str) -> str:
         groups = re.findall(r'Parser key "([^"]+)"', message)
         name = (unknown.group(1) or unknown.group(2)).lstrip("-")
         key = ".".join([f"{groups[0]}.init_args", *groups[1:], name]) if groups and "." not in groups[0] else name
+        if ":" in name:  # YAML reads `{path:my.txt}` as the key 'path:my.txt' without a value
+            field, _, value = name.partition(":")
+            return (f"unknown config key {key!r}: in YAML a key takes its value after a colon and a space, so write "
+                    f"'{field}: {value}' (a space after the colon).")
         return (f"unknown config key {key!r}: check its spelling and level against `moh fit --config <yaml> "
                 f"--print_config` (keys are not abbreviated).")
     # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
