@@ -69,7 +69,7 @@ from moh_lightning.settings import (
     with_run_config,
 )
 from moh_lightning.tasks.base import MoHTask
-from moh_lightning.tasks.language_model import source_arch
+from moh_lightning.tasks.language_model import not_the_sources, source_arch
 
 # name -> "module:function"; imported only when called so `moh fit` does not load every task.
 TOOLS: dict[str, str] = {
@@ -165,6 +165,10 @@ def one_line_error(message: str) -> str:
         groups = re.findall(r'Parser key "([^"]+)"', message)
         name = (unknown.group(1) or unknown.group(2)).lstrip("-")
         key = ".".join([f"{groups[0]}.init_args", *groups[1:], name]) if groups and "." not in groups[0] else name
+        if ":" in name:  # YAML reads `{path:my.txt}` as the key 'path:my.txt' without a value
+            field, _, value = name.partition(":")
+            return (f"unknown config key {key!r}: in YAML a key takes its value after a colon and a space, so write "
+                    f"'{field}: {value}' (a space after the colon).")
         return (f"unknown config key {key!r}: check its spelling and level against `moh fit --config <yaml> "
                 f"--print_config` (keys are not abbreviated).")
     # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
@@ -293,6 +297,9 @@ class MoHLightningCLI(LightningCLI):
             return  # LanguageModel stops on it in one line
         named = [key.removeprefix("arch.") for key in self._named_model_keys() if key.startswith("arch.")]
         dense = init_args.arch.get("moh") is None
+        for key in named:  # a shape named otherwise than the source's, before the budget is checked against it
+            if key in network and not key.startswith("moh.") and init_args.get(f"arch.{key}") != network[key]:
+                raise SystemExit(f"moh: {not_the_sources(key, init_args.get(f'arch.{key}'), network[key], source)}")
         for key, value in network.items():
             if not (key in named or any(key.startswith(f"{name}.") for name in named) or
                     (dense and key.startswith("moh."))):

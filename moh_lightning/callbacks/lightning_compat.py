@@ -200,6 +200,9 @@ class MoHRichProgressBar(RichProgressBar):
         # The logger's version ("v_num: 0") is the run folder's number, which the run's first line and summary name.
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        if trainer.validating and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            # A validation within fit ends after the last logging step: the bar shows its values from now on.
+            self.shown_metrics = {**self.shown_metrics, **metrics}
         if trainer.training:
             logged = trainer.callback_metrics
             metrics.update({name: float(logged[name]) for name in getattr(pl_module, "progress_bar_train_metrics", ())

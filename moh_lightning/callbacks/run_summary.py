@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from moh_lightning.callbacks.head_load import HeadLoadCallback
-from moh_lightning.callbacks.logger_runs import LEDGER, describe, run_folder
+from moh_lightning.callbacks.logger_runs import FOLDER_LOGGERS, LEDGER, describe, run_folder
 from moh_lightning.callbacks.reliability import StepCheckpoint
 from moh_lightning.layers import activated_head_fraction, moh_layers
 
@@ -26,7 +26,8 @@ class RunSummary(Callback):
     written only what every run writes at its start: its events file, ``config.yaml``, ``hparams.yaml`` and the
     logged-steps ledger. Those are
     removed with the then empty folder, so the next run takes its number and ``--ckpt_path last`` finds no empty
-    run; a folder holding anything else, and a resumed run's, stay.
+    run; a folder holding anything else, and a resumed run's, stay. So is the folder of a failed evaluation
+    (``moh validate`` / ``test`` / ``predict``: ``<run>/eval/<subcommand>-<checkpoint>/`` or a new version).
     """
 
     def __init__(self) -> None:
@@ -39,19 +40,25 @@ class RunSummary(Callback):
             self._lines = summary_lines(trainer, pl_module, folder)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if trainer.state.fn != "fit" or trainer.global_step > 0 or trainer.ckpt_path or not trainer.is_global_zero:
+        # An evaluation (`moh validate`, `test`, `predict`) logs into a folder of its own, new at each call.
+        fresh = (trainer.state.fn in ("validate", "test", "predict")
+                 or (trainer.state.fn == "fit" and trainer.global_step == 0 and not trainer.ckpt_path))
+        if not fresh or not trainer.is_global_zero:
             return
-        board = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
+        board = next((logger for logger in trainer.loggers if isinstance(logger, FOLDER_LOGGERS)), None)
         folder = Path(board.log_dir) if board is not None else None
         if folder is None or not folder.is_dir():
             return
         entries = list(folder.iterdir())
         events = [entry for entry in entries if entry.name.startswith("events.out.tfevents.")]
-        # One events file, this run's: a folder another run wrote into (an explicit version) has two or more.
-        if len(events) != 1 or any(entry.name not in ("config.yaml", board.NAME_HPARAMS_FILE, LEDGER)
-                                   for entry in entries if entry not in events):
+        tensorboard = isinstance(board, TensorBoardLogger)
+        # TensorBoard's one events file, this run's: a folder another run wrote into (an explicit version) has two or
+        # more. CSV writes its metrics.csv only when a metric is logged.
+        if len(events) != int(tensorboard) or any(entry.name not in ("config.yaml", "hparams.yaml", LEDGER)
+                                                  for entry in entries if entry not in events):
             return
-        board.experiment.close()  # the logger's finalize, next, writes nothing more into a closed writer
+        if tensorboard:
+            board.experiment.close()  # the logger's finalize, next, writes nothing more into a closed writer
         for entry in entries:
             entry.unlink()
         folder.rmdir()

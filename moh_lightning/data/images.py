@@ -272,6 +272,10 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
         return self.data_dir if self.flat else self.data_dir / "train"
 
     def _split_dir(self, split: str) -> Path:
+        if not self.data_dir.is_dir():
+            raise MissingDataError(
+                f"data.init_args.data_dir={self.hparams.data_dir!r}: no such folder; point it at a folder of "
+                f"<class>/ image folders (or train/<class>/ and val/<class>/, test/<class>/ for `moh test`).")
         path = self.data_dir / split
         if not path.is_dir() and split == "test":
             layout = ("a flat folder holds training and validation images only" if self.flat

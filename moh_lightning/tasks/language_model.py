@@ -274,9 +274,13 @@ def check_arch(config: LlamaConfig, hf_config: dict, source: str) -> None:
             continue
         value, theirs = getattr(config, name), network.get(name)
         if value != getattr(defaults, name) and value != theirs:
-            raise BadValueError(f"model.init_args.arch.{name}={value}: with init_from the architecture is "
-                                f"{source}'s ({_SOURCE_FIELDS.get(name, 'rope_theta')}={theirs}); remove the "
-                                f"override.")
+            raise BadValueError(not_the_sources(name, value, theirs, source))
+
+
+def not_the_sources(name: str, value, theirs, source: str) -> str:
+    """The line that refuses ``arch.<name>`` = ``value`` where the source ``init_from`` has ``theirs``."""
+    return (f"model.init_args.arch.{name}={value}: with init_from the architecture is {source}'s "
+            f"({_SOURCE_FIELDS.get(name, 'rope_theta')}={theirs}); remove the override.")
 
 
 def source_arch(hf_config: dict) -> dict:
@@ -314,4 +318,4 @@ def warmup_cosine(lr: float, min_lr: float, init_lr: float, warmup_steps: int, t
     return at
 
 
-__all__ = ["LanguageModel", "check_arch", "source_arch", "warmup_cosine"]
+__all__ = ["LanguageModel", "check_arch", "not_the_sources", "source_arch", "warmup_cosine"]

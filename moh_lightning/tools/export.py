@@ -7,6 +7,7 @@ import torch
 
 from moh_lightning.data.tokenizers import exported_tokenizer, load_tokenizer
 from moh_lightning.errors import MissingDataError
+from moh_lightning.layers import activated_head_fraction
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     HFCausalLM,
@@ -159,15 +160,19 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
     task, data_hparams = load_language_model(checkpoint, tool="export-hf")
     name = tokenizer or data_hparams.get("tokenizer")
     source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
+    kind = type(task.model.hf if isinstance(task.model, HFCausalLM) else task.model).__name__
+    said = (f"wrote {out}: {kind}, {activated_head_fraction(task.model):.1%} of heads active; load it with "
+            f"AutoModelForCausalLM.from_pretrained('{out}', trust_remote_code=True), or `moh lm-eval --hf_folder "
+            f"{out}`")
     if isinstance(task.model, HFCausalLM):
         export_hf_causal(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub)
-        print(f"wrote {out}")
+        print(said)
         if push_to_hub:
             print(f"pushed {out} to {push_folder(out, push_to_hub, private)}")
         return out
     export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub,
               tokenizer_note=_TOKENIZER_NOTE if name else None)
-    print(f"wrote {out}")
+    print(said)
     if push_to_hub:
         url = push_folder(out, push_to_hub, private)
         print(f"pushed {out} to {url}")

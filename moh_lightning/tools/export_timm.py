@@ -59,8 +59,11 @@ def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     data = dict(raw.get("datamodule_hyper_parameters") or {})
-    timm.models.save_for_hf(model.eval(), folder, model_args=model_args, safe_serialization=True,
-                            data_config=_preprocessing(data, arch))
+    # The class folders' names travel with the checkpoint; timm keeps them as the pretrained config's label_names.
+    class_names = (raw.get("hyper_parameters") or {}).get("class_names")
+    model_config = {"label_names": list(class_names)} if class_names else None
+    timm.models.save_for_hf(model.eval(), folder, model_config=model_config, model_args=model_args,
+                            safe_serialization=True, data_config=_preprocessing(data, arch))
     (folder / "README.md").write_text(model_card(name, arch, family, checkpoint, model))
     print(f"wrote {folder}: {name} ({describe(arch)}); load it with `import {_module(family)}` then "
           f"timm.create_model('local-dir:{folder}', pretrained=True)")

@@ -180,6 +180,7 @@ def lm_eval(
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(summary, indent=1, default=str))
+        print(f"moh lm-eval: results in {output}")
     return summary
 
 

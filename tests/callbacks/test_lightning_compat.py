@@ -95,3 +95,39 @@ def test_moh_labels_unlimited_epochs_unless_a_bar_is_configured(run_dir, configu
     bar = ["--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"] if configured else []
     cli = MoHLightningCLI(args=["--config", "vit_tiny_mnist_75.yaml", "--trainer.logger", "false", *bar], run=False)
     assert type(cli.trainer.progress_bar_callback) is (RichProgressBar if configured else MoHRichProgressBar)
+
+
+def test_bar_shows_the_last_validation_not_the_one_before(tmp_path) -> None:
+    """The bar keeps the metrics of the last logging step between logging steps; a validation at an epoch's end
+    comes after that step, so the bar must show its values, not those of the validation before (a run once ended on
+    "val/acc1: 0.450" beside a summary of "final 0.425")."""
+    import torch
+    from lightning.pytorch import LightningModule
+
+    class Tiny(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/score", float(self.current_epoch), prog_bar=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Recording(MoHRichProgressBar):
+        shown_at_epoch_end: list[dict] = []
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            super().on_train_epoch_end(trainer, pl_module)
+            self.shown_at_epoch_end.append(self.get_metrics(trainer, pl_module))
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(5, 2)), batch_size=1)
+    bar = Recording()
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=3,
+                      log_every_n_steps=10, num_sanity_val_steps=0, enable_model_summary=False, callbacks=[bar])
+    trainer.fit(Tiny(), loader, loader)
+    assert [shown.get("val/score") for shown in bar.shown_at_epoch_end] == [0.0, 1.0, 2.0]

@@ -70,3 +70,11 @@ def test_missing_inception_weights_file_names_the_file(tmp_path):
     images = np.zeros((2, 32, 32, 3), np.uint8)
     message = _error(lambda: compute_fidelity(images, images, weights=str(tmp_path / "inception.pth")))
     assert "--weights" in message and "inception.pth" in message
+
+
+def test_a_yaml_value_without_a_space_after_its_colon_says_so(run_dir):
+    """`'[{path:my.txt}]'` is YAML for the key 'path:my.txt' with no value: the line says to write `path: my.txt`
+    rather than only that the key is unknown."""
+    message = _error(lambda: main(["fit", "--config", "llm_stdlib_75.yaml", "--data.init_args.sources",
+                                   "[{path:my.txt}]"]))
+    assert "'data.init_args.sources.path:my.txt'" in message and "a space after the colon" in message

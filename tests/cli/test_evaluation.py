@@ -67,6 +67,21 @@ def _one_line(args: list[str]) -> str:
     return message
 
 
+@pytest.mark.parametrize("logger", ["tensorboard", "csv"])
+def test_an_evaluation_that_fails_leaves_no_eval_folder(run_dir, write_image_folder, logger):
+    """`moh test` of a run's checkpoint on a mistyped data folder, or on a folder without test/: one line each (the
+    missing folder named as such), and no eval/test-last folder left behind with only an events file in it."""
+    write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
+    checkpoint = _fit(run_dir / "data")
+    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
+    chosen = [] if logger == "tensorboard" else ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
+    message = _one_line(["test", "--ckpt_path", checkpoint, "--data.init_args.data_dir", "dta/", *chosen])
+    assert "data.init_args.data_dir='dta/': no such folder" in message
+    message = _one_line(["test", "--ckpt_path", checkpoint, *chosen])
+    assert "no 'test/' folder" in message
+    assert not (run / "eval").exists()
+
+
 def test_missing_validation_folder_is_one_line(run_dir, write_image_folder):
     write_image_folder(run_dir / "data", per_class=1, size=(32, 32))
     shutil.rmtree(run_dir / "data/val")

@@ -119,3 +119,27 @@ def test_a_run_restoring_its_checkpoint_does_not_read_init_from(run_dir, caplog)
     cli = MoHLightningCLI(args=[*args, "--ckpt_path=resume.ckpt"])
     assert _equal(cli.model.model.state_dict(), restored, lambda name: True)
     assert "init_from=start.ckpt" not in caplog.text
+
+
+def test_an_export_timm_folder_loads_and_a_wrong_path_is_one_line(run_dir):
+    """The folder `moh export-timm` writes is an init_from source as its model.safetensors is; a mistyped file or a
+    folder without weights stops `moh` in one line (no traceback) that says what to give."""
+    from moh_lightning.tools.export_timm import export_timm
+
+    torch.manual_seed(0)
+    config = ViTConfig(**TINY, moh=BUDGET)
+    source = create_vit(config).state_dict()
+    write_checkpoint(run_dir / "theirs.ckpt", ImageClassifier, {"arch": asdict(config)},
+                     {f"model.{name}": value for name, value in source.items()}, {"crop_scale": [0.7, 1.0]})
+    export_timm(str(run_dir / "theirs.ckpt"), str(run_dir / "exported"))
+    ours = create_vit(ViTConfig(**TINY, moh=BUDGET))
+    assert load_vit_weights(ours, "exported") == f"{len(source)} tensors loaded, routers kept"
+    assert _equal(ours.state_dict(), source, lambda name: True)
+
+    (run_dir / "empty").mkdir()
+    args = ["validate", "--config", "vit_tiny_mnist_75.yaml", *TINY_ARGS, *VALIDATE]
+    for wrong, says in (("exported/model.safetensor", "no such file"), ("empty", "no model.safetensors")):
+        with pytest.raises(SystemExit) as stop:
+            main([*args, f"--model.init_args.init_from={wrong}"])
+        message = str(stop.value)
+        assert "\n" not in message and message.startswith(f"moh: model.init_args.init_from={wrong!r}: {says}")

@@ -140,6 +140,16 @@ def test_push_to_hub_uploads_the_written_folder(learned, tmp_path, monkeypatch):
     assert 'from_pretrained("someone/tiny-moh", trust_remote_code=True)' in card
 
 
+def test_export_says_what_it_wrote_and_how_to_load_it(learned, tmp_path, capsys):
+    """`moh export-hf` once printed only "wrote <folder>"; `convert-hf` and `export-timm` say what and how to load."""
+    moh(["export-hf", "--checkpoint", str(learned / "learned.ckpt"), "--out", str(tmp_path / "said")])
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    # 2 shared + top-3 of 8, none shared + top-2 of 8, all 8 shared: (5 + 2 + 8) / 24 heads
+    assert printed.startswith(f"wrote {tmp_path / 'said'}: MoHLlama, 62.5% of heads active; load it with ")
+    assert f"from_pretrained('{tmp_path / 'said'}', trust_remote_code=True)" in printed
+    assert f"moh lm-eval --hf_folder {tmp_path / 'said'}" in printed
+
+
 @pytest.mark.parametrize("router_dtype", ["float32", "activation"])
 def test_exported_query_norm_router_scores_in_the_suites_precision(router_dtype, tmp_path):
     from moh_lightning.layers import QueryNormRouter

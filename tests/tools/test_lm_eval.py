@@ -87,6 +87,7 @@ def test_the_shipped_example_runs_by_name_from_any_folder_without_the_harness_no
     assert 0.0 <= results["acc,none"] <= 1.0 and results["acc_norm,none"] >= 0.0
     out, err = capfd.readouterr()  # git's stderr included, which goes to the file descriptor
     assert "python_basics" in out
+    assert out.strip().splitlines()[-1] == "moh lm-eval: results in results.json"  # where it wrote, said
     for note in ("`pretrained` model kwarg", "already-initialized model", "Custom kwargs", "fatal:"):
         assert note not in out + err + caplog.text, note
 

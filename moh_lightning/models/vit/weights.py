@@ -10,6 +10,7 @@ from pathlib import Path
 from timm.models import adapt_input_conv
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from moh_lightning.errors import BadValueError, MissingDataError
 from moh_lightning.serialization import read_weights_file
 from moh_lightning.weights import check_fit, unwrap
 
@@ -22,23 +23,31 @@ def _state_dict(source: str, key: str) -> dict:
     """The state dict of a local weights file (``moh fit``'s ``model.`` prefix removed), or of the timm model
     ``source`` downloaded with its weights."""
     path = Path(source).expanduser()
+    if path.is_dir():  # an `moh export-timm` folder, or a timm hub folder downloaded
+        if not (path / "model.safetensors").is_file():
+            raise MissingDataError(f"{key}={source!r}: no model.safetensors in this folder; give an `moh "
+                                   f"export-timm` folder, a weights file or a .ckpt written by `moh fit`.")
+        path = path / "model.safetensors"
     if path.is_file():
         return unwrap(read_weights_file(path), _WRAPPERS)
-    if source.startswith(("/", "./", "../", "~")) or path.suffix in (".pth", ".pt", ".bin", ".safetensors", ".ckpt"):
-        raise FileNotFoundError(f"{key}={source!r}: no such file; give a timm model name, a local weights file "
-                                f"(.safetensors or a torch.save'd state dict) or a .ckpt written by `moh fit`.")
+    if (source.startswith(("/", "./", "../", "~")) or path.suffix in (".pth", ".pt", ".bin", ".safetensors", ".ckpt")
+            or ("/" in source and path.parent.is_dir())):  # a path into a folder that exists
+        raise MissingDataError(f"{key}={source!r}: no such file; give a timm model name, a local weights file "
+                               f"(.safetensors or a torch.save'd state dict), an `moh export-timm` folder or a .ckpt "
+                               f"written by `moh fit`.")
     import timm
 
     try:
         return timm.create_model(source, pretrained=True).state_dict()
-    except RuntimeError as error:  # an unknown name
-        raise ValueError(f"{key}={source!r}: {str(error).splitlines()[0]}; give a timm model name "
-                         f"(timm.list_pretrained('vit_*')) or a local weights file.") from None
+    except (RuntimeError, ValueError) as error:  # an unknown name, or one timm cannot parse
+        raise BadValueError(f"{key}={source!r}: {str(error).splitlines()[0]}; give a timm model name "
+                            f"(timm.list_pretrained('vit_*')) or a local weights file.") from None
     except OSError as error:  # offline, or the hub unreachable
-        raise OSError(f"{key}={source!r}: cannot download it ({str(error).strip().splitlines()[0]}); "
-                      f"pass a local file instead: the model.safetensors of its hub folder "
-                      f"(hf download timm/{source.split('.')[0]}... on a machine online) or "
-                      f"torch.save(timm.create_model({source!r}, pretrained=True).state_dict(), 'vit.pth').") from None
+        raise MissingDataError(
+            f"{key}={source!r}: cannot download it ({str(error).strip().splitlines()[0]}); pass a local file "
+            f"instead: the model.safetensors of its hub folder (hf download timm/{source.split('.')[0]}... on a "
+            f"machine online) or torch.save(timm.create_model({source!r}, pretrained=True).state_dict(), "
+            f"'vit.pth').") from None
 
 
 def _routers(state: dict, layer: str) -> dict:

@@ -64,6 +64,19 @@ def test_a_shape_or_setting_other_than_the_sources_is_refused_naming_it(tmp_path
         LanguageModel(SuiteLlamaConfig(), init_from=str(source))
 
 
+def test_a_typed_shape_other_than_the_sources_is_named_before_the_budget_is_checked(run_dir):
+    """`--model.init_args.arch.num_heads 4` on an 8-head source with its 4 shared + top-2 budget once stopped on the
+    budget ("every head is shared (num_shared_heads=4), so set top_k: 0"), hiding that the shape is the source's."""
+    source = save_family("qwen2", run_dir / "qwen2")
+    (run_dir / "my.txt").write_text(TEXT * 20)
+    with pytest.raises(SystemExit) as stop:
+        moh(_fit_args(source, "--model.init_args.arch.num_heads", "4", "--trainer.fast_dev_run", "1"))
+    message = str(stop.value)
+    assert "\n" not in message and message.startswith("moh: model.init_args.arch.num_heads=4: with init_from the "
+                                                      "architecture is ") and "(num_attention_heads=8)" in message
+    assert not (run_dir / "runs").exists()
+
+
 def test_a_converted_folder_is_a_valid_init_from(tmp_path):
     """`moh convert-llama`'s and `moh convert-hf`'s folders start a run (the first once ended in transformers'
     56-line 'contains custom code which must be executed' traceback), with the budget they were converted with."""

@@ -241,16 +241,18 @@ def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_pat
     torch.manual_seed(0)
     arch = ViTConfig(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3,
                      moh=MoHConfig(num_shared_heads=1, top_k=[2, 1]))
-    task = ImageClassifier(arch=arch).eval()
+    task = ImageClassifier(arch=arch, class_names=["circle", "cross", "square"]).eval()
     folder = export_timm(_checkpoint(tmp_path, task, {"img_size": 32, "data_dir": "/data"}), str(tmp_path / "vit"))
     config = json.loads((folder / "config.json").read_text())
     assert config["architecture"] == "moh_vit" and config["model_args"]["depth"] == 2
+    assert config["label_names"] == ["circle", "cross", "square"]  # the class folders' names, as timm keeps them
     printed = capsys.readouterr().out
     assert f"wrote {folder}: moh_vit (ViT, 2 layers of width 32" in printed and f"local-dir:{folder}" in printed
     loaded = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(loaded(images), task.model(images), rtol=0, atol=0)
     assert [block.attn.active_heads for block in loaded.blocks] == [3, 2]
+    assert list(loaded.pretrained_cfg["label_names"]) == ["circle", "cross", "square"]
 
     torch.save({"hyper_parameters": {"arch": {"vocab_size": 9}}, "state_dict": {"model.embed.weight": torch.zeros(1)}},
                tmp_path / "lm.ckpt")
