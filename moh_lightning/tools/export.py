@@ -54,15 +54,15 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
         config = read_source_config(source)
         heads = query_heads(family_config(config))
         shared = [h // 2 if s is None else s for h, s in zip(heads, _per_layer(num_shared_heads, heads,
-                                                                               "--num_shared_heads"))]
+                                                                               "--num_shared_heads"), strict=True)]
         kept = [(max(1, (h - s) // 2) if h > s else 0) if k is None else k
-                for h, s, k in zip(heads, shared, _per_layer(top_k, heads, "--top_k"))]
+                for h, s, k in zip(heads, shared, _per_layer(top_k, heads, "--top_k"), strict=True)]
         moh = MoHConfig(num_shared_heads=_one_or_list(shared), top_k=_one_or_list(kept), router="query_norm",
                         router_dtype=router_dtype)
         model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
     tokenizer = source_tokenizer(source)
     written_dtype = next(model.parameters()).dtype
-    routed = [h - s for h, s in zip(heads, shared)]
+    routed = [h - s for h, s in zip(heads, shared, strict=True)]
     budget = (f"{_one_or_list(shared)} shared + top-{_one_or_list(kept)} of {_one_or_list(routed)} routed heads per "
               f"layer")
     export_hf_causal(model, out, tokenizer, source=(
