@@ -47,7 +47,7 @@ def convert(model_type: str, root: Path) -> tuple[str, str]:
         reason = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])
         return "not built", f"{type(error).__name__}: {reason[:200]}"
     try:  # every head kept: half of each layer's heads shared, every other one routed
-        heads = query_heads(language_model_config(config))
+        heads = list(query_heads(language_model_config(config)).values())
     except Exception:  # noqa: BLE001 - convert-hf meets the same and says it below, as a refusal or a traceback
         heads = [4]
     try:

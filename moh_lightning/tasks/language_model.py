@@ -300,7 +300,10 @@ def source_arch(hf_config: dict) -> dict:
         arch.setdefault("head_dim", family.hidden_size // heads)
         arch.setdefault("num_kv_heads", heads)
     if getattr(family, "moh_num_shared_heads", None) is not None:
-        arch["moh.num_shared_heads"], arch["moh.top_k"] = family.moh_num_shared_heads, family.moh_top_k
+        # config.json lists a budget by layer_idx, null for a hybrid's dense layers; arch.moh has one per gated layer.
+        for key, value in (("moh.num_shared_heads", family.moh_num_shared_heads), ("moh.top_k", family.moh_top_k)):
+            gated = [v for v in value if v is not None] if isinstance(value, list) else [value]
+            arch[key] = gated[0] if len(set(gated)) == 1 else gated
     elif heads:
         arch["moh.num_shared_heads"], arch["moh.top_k"] = default_budget(heads)
     return arch

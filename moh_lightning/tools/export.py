@@ -12,6 +12,7 @@ from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     HFCausalLM,
     build_hf_causal,
+    check_gated_layers,
     export_hf_causal,
     family_config,
     query_heads,
@@ -40,8 +41,10 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
     Args:
         source: The model: a local folder or a hub id.
         out: Folder to write (weights, config, ``hf_moh.py``, tokenizer, model card).
-        num_shared_heads: Always-active heads per layer (the first ones), or a list with one per layer (for a family
-            whose layers have heads of their own number, as Laguna's); half of each layer's heads when None.
+        num_shared_heads: Always-active heads per layer (the first ones), or a list with one per attention layer
+            that MoH gates (for a family whose layers have heads of their own number, as Laguna's); half of each
+            layer's heads when None. A hybrid's layers whose mixing does not go through the attention interface
+            (linear attention, state space) stay dense and take no entry.
         top_k: Routed heads kept per token, or one per layer; half of each layer's routed heads (75% active) when
             None.
         dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
@@ -52,7 +55,7 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
                          f"the source's).")
     with one_line_errors("convert-hf"):
         config = read_source_config(source)
-        heads = query_heads(family_config(config))
+        heads = list(query_heads(family_config(config)).values())
         shared = [h // 2 if s is None else s for h, s in zip(heads, _per_layer(num_shared_heads, heads,
                                                                                "--num_shared_heads"), strict=True)]
         kept = [(max(1, (h - s) // 2) if h > s else 0) if k is None else k
@@ -60,6 +63,7 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
         moh = MoHConfig(num_shared_heads=_one_or_list(shared), top_k=_one_or_list(kept), router="query_norm",
                         router_dtype=router_dtype)
         model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
+        check_gated_layers(model)
     tokenizer = source_tokenizer(source)
     written_dtype = next(model.parameters()).dtype
     routed = [h - s for h, s in zip(heads, shared, strict=True)]

@@ -11,6 +11,8 @@ from moh_lightning.models.hf_causal.network import (
     InterfaceHeads,
     attention_layers,
     build_hf_causal,
+    check_gated_layers,
+    config_budget,
     default_budget,
     family_config,
     head_budget,
@@ -19,6 +21,7 @@ from moh_lightning.models.hf_causal.network import (
     read_source_config,
 )
 
-__all__ = ["MOH_MODEL_TYPES", "HFCausalLM", "InterfaceHeads", "attention_layers", "build_hf_causal", "default_budget",
+__all__ = ["MOH_MODEL_TYPES", "HFCausalLM", "InterfaceHeads", "attention_layers", "build_hf_causal",
+           "check_gated_layers", "config_budget", "default_budget",
            "export_hf_causal", "family_config", "head_budget", "layer_heads", "model_card", "query_heads",
            "read_source_config"]

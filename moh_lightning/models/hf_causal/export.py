@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moh_lightning.layers import moh_layers
 from moh_lightning.models.hf_causal import hf_moh
-from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers, layer_heads
+from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers, config_budget, layer_heads
 
 _REMOTE_FILE = Path(hf_moh.__file__).name
 _MOH_KEYS = ("moh_num_shared_heads", "moh_top_k", "moh_router", "moh_router_dtype", "moh_base_model_type",
@@ -32,11 +32,9 @@ def export_hf_causal(model: HFCausalLM, folder: str | Path, tokenizer=None, sour
         config.pop(key, None)
     moh = bool(moh_layers(model))
     if moh:
-        budget = [(layer.num_shared_heads, layer.router.top_k) for layer in moh_layers(model)]
-        shared, top_k = ([values[0]] if len(set(values)) == 1 else list(values) for values in zip(*budget, strict=True))
-        config.update(model_type="moh", moh_base_model_type=hf.config.model_type,
-                      moh_num_shared_heads=shared[0] if len(shared) == 1 else shared,
-                      moh_top_k=top_k[0] if len(top_k) == 1 else top_k, moh_router="query_norm",
+        shared, top_k = config_budget(hf)
+        config.update(model_type="moh", moh_base_model_type=hf.config.model_type, moh_num_shared_heads=shared,
+                      moh_top_k=top_k, moh_router="query_norm",
                       moh_router_dtype=moh_layers(model)[0].router.score_dtype,
                       auto_map={"AutoConfig": f"{_REMOTE_FILE[:-3]}.MoHConfig",
                                 "AutoModelForCausalLM": f"{_REMOTE_FILE[:-3]}.MoHForCausalLM"})
@@ -54,7 +52,8 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
     """The README.md of an exported folder: how to load it, its head budget, family and provenance."""
     config = model.hf.config
     layers = moh_layers(model)
-    total = sum(layer_heads(layer, config) for layer in attention_layers(model.hf))
+    attention = attention_layers(model.hf)
+    total = sum(layer_heads(layer, config) for layer in attention)
     remote = ", trust_remote_code=True" if layers else ""
     # AutoTokenizer reads config.json first: without the model's config it would ask whether to run the remote code,
     # or, refused it, warn that a `moh` model instantiates a model of no type.
@@ -67,10 +66,16 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
                 f"parameter-free query-norm router of paper section 4.4 (the first shared heads always on; among the "
                 f"others each token keeps the top-k by query norm over the standard deviation of those norms, gate 1, "
                 f"the rest 0).")
-        budget = [f"Activated heads: {active} of {total} ({active / total:.1%}).", "",
+        gated = {layer.layer_idx: layer.moh_heads for layer in attention}
+        dense = config.num_hidden_layers - len(gated)
+        # A hybrid's other layers (linear attention, state space) never call the attention interface: no gates.
+        budget = [f"Activated heads: {active} of {total} ({active / total:.1%})"
+                  + (f" in the {len(gated)} layers whose attention goes through transformers' attention interface; "
+                     f"the other {dense} are dense (their mixing does not go through it, so no head is gated)."
+                     if dense else "."), "",
                   "| layer | heads | shared | top-k routed |", "|---|---|---|---|",
-                  *(f"| {i} | {layer.num_heads} | {layer.num_shared_heads} | {layer.router.top_k} |"
-                    for i, layer in enumerate(layers))]
+                  *(f"| {i} | {gated[i].num_heads} | {gated[i].num_shared_heads} | {gated[i].router.top_k} |"
+                    if i in gated else f"| {i} | - | dense | - |" for i in range(config.num_hidden_layers))]
     else:
         what = f"A dense `{type(model.hf).__name__}` (every head active), a plain transformers folder."
         budget = [f"Dense: all {total} heads."]

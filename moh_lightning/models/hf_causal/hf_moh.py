@@ -8,7 +8,9 @@ every field of the source, plus
 
 * ``model_type: "moh"`` (so that loading without ``trust_remote_code`` stops instead of silently running every head)
   and ``moh_base_model_type``, the family's ``model_type``;
-* ``moh_num_shared_heads`` / ``moh_top_k``: the head budget, one int for every layer or a list with one per layer;
+* ``moh_num_shared_heads`` / ``moh_top_k``: the head budget, one int for every layer or a list indexed by the
+  attention modules' ``layer_idx``, ``null`` where that layer stays dense (a hybrid's linear-attention or state-space
+  layers, which never call the attention interface);
 * ``moh_router: "query_norm"`` and ``moh_router_dtype`` (``"float32"``, or ``"activation"`` as the authors' code).
 
 The MoH attention is registered as the implementations ``moh_sdpa`` and ``moh_eager``: each computes the family's
@@ -50,11 +52,11 @@ def query_norm_gates(query: torch.Tensor, num_shared_heads: int, top_k: int,
     return gates
 
 
-def layer_budget(config, index: int) -> tuple[int, int]:
-    """(shared heads, routed heads kept per token) of layer ``index``."""
+def layer_budget(config, index: int) -> tuple[int, int] | None:
+    """(shared heads, routed heads kept per token) of layer ``index``; None where the layer stays dense."""
     shared, top_k = config.moh_num_shared_heads, config.moh_top_k
-    return (shared[index] if isinstance(shared, list) else shared,
-            top_k[index] if isinstance(top_k, list) else top_k)
+    shared = shared[index] if isinstance(shared, list) else shared
+    return None if shared is None else (shared, top_k[index] if isinstance(top_k, list) else top_k)
 
 
 def family_attention(module: torch.nn.Module, base: str):
@@ -66,10 +68,11 @@ def family_attention(module: torch.nn.Module, base: str):
 
 
 def is_attention_layer(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is one of the family's attention layers, whose heads MoH gates: an ``...Attention`` module
-    of a decoder layer (``layer_idx``). Other modules call the interface without heads over the tokens, and run
-    ungated: Inkling 2's block attention residuals attend over the depth's block outputs, one query per position."""
-    return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
+    """Whether ``module``, calling the attention interface, is one of the family's attention layers, whose heads MoH
+    gates: a decoder layer's (``layer_idx``), whatever its class's name (Longcat's ``LongcatFlashMLA``). Other modules
+    call the interface without heads over the tokens, and run ungated: Inkling 2's block attention residuals attend
+    over the depth's block outputs, one query per position."""
+    return hasattr(module, "layer_idx")
 
 
 def _moh_attention(base: str):
@@ -78,11 +81,11 @@ def _moh_attention(base: str):
         if heads is not None:  # a layer moh_lightning trains: its routing module gates and attends
             return heads(module, query, key, value, attention_mask, base=base, **kwargs)
         attention = family_attention(module, base)
-        if not is_attention_layer(module):
+        budget = layer_budget(module.config, module.layer_idx) if is_attention_layer(module) else None
+        if budget is None:
             return attention(module, query, key, value, attention_mask, **kwargs)
         out, weights = attention(module, query, key, value, attention_mask, **kwargs)
-        config = module.config
-        gates = query_norm_gates(query, *layer_budget(config, module.layer_idx), config.moh_router_dtype)
+        gates = query_norm_gates(query, *budget, module.config.moh_router_dtype)
         return out * gates[..., None].to(out.dtype), weights                           # (B, T, h, d)
 
     moh_attention.__name__ = f"moh_{base}_attention"

@@ -13,6 +13,7 @@ reading the source's config.
 from __future__ import annotations
 
 import copy
+import inspect
 from pathlib import Path
 
 import torch
@@ -205,8 +206,8 @@ def default_budget(num_heads: int) -> tuple[int, int]:
 
 
 def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
-    """(shared heads, routed heads kept) per layer of the family ``config`` under ``moh``, each for the layer's own
-    heads (``query_heads``).
+    """(shared heads, routed heads kept) per attention layer that MoH gates in the family ``config`` under ``moh``,
+    each for the layer's own heads (``query_heads``): a per-layer list of ``moh`` has one entry per such layer.
 
     ``moh``'s budget when it sets one; else the budget a MoH source folder carries (``moh_*``); else
     ``default_budget``. Only the query-norm router fits a pretrained model through the attention interface.
@@ -217,15 +218,16 @@ def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
                          f"not the layer input a learned router reads.")
     heads = query_heads(config)
     if moh.num_shared_heads != 0 or moh.top_k is not None:
-        return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(heads, len(heads))]
+        return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(list(heads.values()), len(heads))]
     if getattr(config, "moh_num_shared_heads", None) is not None:
-        return [hf_moh.layer_budget(config, i) for i in range(len(heads))]
-    return [default_budget(layer) for layer in heads]
+        return [hf_moh.layer_budget(config, index) for index in heads]
+    return [default_budget(layer) for layer in heads.values()]
 
 
-def query_heads(config) -> list[int]:
-    """The query heads of each attention layer of the family ``config`` (``layer_heads``), read from its model
-    built on the meta device, so before any weight is read; a family without heads to gate stops in one line."""
+def query_heads(config) -> dict[int, int]:
+    """The query heads of each attention layer that MoH gates in the family ``config`` (``attention_layers``), by
+    its ``layer_idx``: read from its model built on the meta device, so before any weight is read. A family without
+    heads to gate stops in one line."""
     from transformers import AutoModelForCausalLM
 
     if not getattr(layer_config(config, 0), "num_attention_heads", None):
@@ -236,7 +238,7 @@ def query_heads(config) -> list[int]:
         raise ValueError(_bypasses_interface(family_class.__name__))
     with torch.device("meta"):  # from_config writes the attention implementation it picks into the config
         hf = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    return [layer_heads(layer, config) for layer in attention_layers(hf)]
+    return {layer.layer_idx: layer_heads(layer, config) for layer in attention_layers(hf)}
 
 
 def layer_heads(layer: nn.Module, config) -> int:
@@ -252,17 +254,47 @@ def layer_config(config, index: int):
 
 
 def attention_layers(hf: nn.Module) -> list[nn.Module]:
-    """The attention modules of a ``transformers`` model, in layer order; a model whose attention does not go
-    through the attention interface stops in one line naming it."""
+    """The attention layers of a ``transformers`` model that MoH gates, in layer order: the decoder layers' modules
+    (``layer_idx``) that call the attention interface (``calls_interface``), at most one a layer index. A hybrid's
+    other layers stay dense; a model none of whose attention goes through the interface, or with more than one
+    attention a layer index (cross-attention), stops in one line naming it."""
     name = type(hf).__name__
-    layers = [m for m in hf.modules() if hf_moh.is_attention_layer(m)]
     if not type(hf)._can_set_attn_implementation():
         raise ValueError(_bypasses_interface(name))
-    if len(layers) != hf.config.num_hidden_layers:
-        raise ValueError(f"{name}: found {len(layers)} attention layers for num_hidden_layers="
-                         f"{hf.config.num_hidden_layers}; MoH gates one self-attention per decoder layer, and this "
-                         f"family has layers with none (a hybrid's) or more (cross-attention): not supported.")
+    layers = [m for m in hf.modules() if hf_moh.is_attention_layer(m) and calls_interface(m)]
+    depth = hf.config.num_hidden_layers
+    if not layers:
+        raise ValueError(f"{name}: none of its {depth} layers calls transformers' attention interface, where MoH "
+                         f"gates the heads (its layers are state-space or linear attention, or attend by code of "
+                         f"their own); convert a model with attention layers that do (Qwen2/3, Mistral, Phi-3, "
+                         f"Gemma 2, LLaMA, ...).")
+    indices = [layer.layer_idx for layer in layers]
+    if len(set(indices)) != len(indices) or not all(isinstance(i, int) and 0 <= i < depth for i in indices):
+        raise ValueError(f"{name}: its {len(layers)} attention modules calling the interface do not have one "
+                         f"layer_idx each within num_hidden_layers={depth} (cross-attention, an encoder's, or "
+                         f"recurrent modules numbered apart); MoH gates one self-attention a layer: not supported.")
     return layers
+
+
+def calls_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s own ``forward`` calls transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``), read
+    from its code, not its class's name: a hybrid's linear attention (``BailingHybridDeltaAttention``) is named an
+    attention and has a ``layer_idx`` but computes its own recurrence, and Longcat's ``LongcatFlashMLA`` goes through
+    the interface. ``check_gated_layers`` confirms it on a forward."""
+    forward = inspect.unwrap(type(module).forward)  # under the family's decorators (deprecated keyword arguments)
+    return "ALL_ATTENTION_FUNCTIONS" in getattr(getattr(forward, "__code__", None), "co_names", ())
+
+
+def config_budget(hf: nn.Module) -> tuple[int | list, int | list]:
+    """``moh_num_shared_heads`` and ``moh_top_k`` of the ``config.json`` of ``hf``, whose gated layers carry their
+    routing module (``moh_heads``): one int for every layer, or a list by ``layer_idx`` with None for each layer that
+    stays dense (a hybrid's layers that do not go through the interface)."""
+    budget: list[tuple[int, int] | None] = [None] * hf.config.num_hidden_layers
+    for layer in attention_layers(hf):
+        budget[layer.layer_idx] = (layer.moh_heads.num_shared_heads, layer.moh_heads.router.top_k)
+    if None not in budget and len(set(budget)) == 1:
+        return budget[0]
+    return [None if b is None else b[0] for b in budget], [None if b is None else b[1] for b in budget]
 
 
 def _bypasses_interface(name: str) -> str:
@@ -288,9 +320,6 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
         hf_moh.register()
         family_class = _family_class(family)
         implementation = hf_moh.moh_implementation(family_class, None)
-        shared, top_k = (list(values) for values in zip(*budget, strict=True))
-        family.moh_num_shared_heads = shared[0] if len(set(shared)) == 1 else shared
-        family.moh_top_k = top_k[0] if len(set(top_k)) == 1 else top_k
         family.moh_router, family.moh_router_dtype = "query_norm", moh.router_dtype
     dtype = dtype or torch.get_default_dtype()
     try:
@@ -312,7 +341,47 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
                         or getattr(layer_config(family, layer.layer_idx), "num_key_value_heads", None) or heads)
             layer.moh_heads = InterfaceHeads(heads, kv_heads, head_dim, shared, top_k, moh.router_dtype,
                                              moh.execution)
+        hf.config.moh_num_shared_heads, hf.config.moh_top_k = config_budget(hf)
     return HFCausalLM(hf)
+
+
+def check_gated_layers(model: HFCausalLM) -> None:
+    """Runs four tokens through ``model`` recording the modules that call the attention interface: the layers MoH
+    gates (``attention_layers``, read from the code) must be exactly the decoder layers' modules that do, else it
+    stops in one line, as the budget that ``config.json`` lists would not be the one that runs."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    hf = model.hf
+    implementation = hf.config._attn_implementation
+    attention = ALL_ATTENTION_FUNCTIONS[implementation]
+    called: dict[int, nn.Module] = {}
+
+    def recording(module, *args, **kwargs):
+        if hf_moh.is_attention_layer(module):
+            called[id(module)] = module
+        return attention(module, *args, **kwargs)
+
+    AttentionInterface.register(implementation, recording)
+    training = hf.training
+    try:
+        with torch.no_grad():
+            hf.eval()(input_ids=torch.zeros(1, 4, dtype=torch.long, device=next(hf.parameters()).device),
+                      use_cache=False)
+    except Exception as error:  # noqa: BLE001 - whatever stops the family's forward, the layers stay unknown
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        raise ValueError(f"{type(hf).__name__}: a forward of four tokens, which tells the layers that go through "
+                         f"transformers' attention interface, stops ({reason[:120]}); convert a model that runs on "
+                         f"token ids alone.") from None
+    finally:
+        AttentionInterface.register(implementation, attention)
+        hf.train(training)
+    gated = {id(layer): layer for layer in attention_layers(hf)}
+    if called.keys() != gated.keys():
+        odd = [type(m).__name__ for key, m in {**called, **gated}.items() if (key in called) != (key in gated)]
+        raise ValueError(f"{type(hf).__name__}: cannot tell which layers go through transformers' attention "
+                         f"interface ({', '.join(sorted(set(odd)))} called it or not, unlike its code says); MoH "
+                         f"would gate other layers than config.json lists: not supported.")
 
 
 def _family_class(config) -> type:
@@ -348,5 +417,6 @@ def _from_pretrained(source: str, config, implementation: str | None, dtype: tor
     return hf
 
 
-__all__ = ["HFCausalLM", "InterfaceHeads", "MOH_MODEL_TYPES", "attention_layers", "build_hf_causal",
-           "default_budget", "family_config", "head_budget", "layer_heads", "query_heads", "read_source_config"]
+__all__ = ["HFCausalLM", "InterfaceHeads", "MOH_MODEL_TYPES", "attention_layers", "build_hf_causal", "calls_interface",
+           "check_gated_layers", "config_budget", "default_budget", "family_config", "head_budget", "layer_heads",
+           "query_heads", "read_source_config"]

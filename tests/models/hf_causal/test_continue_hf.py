@@ -97,6 +97,20 @@ def test_a_converted_folder_is_a_valid_init_from(tmp_path):
                                llama.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_a_converted_hybrids_folder_records_the_budget_of_its_gated_layers(tmp_path):
+    """A hybrid's config.json lists its budget by layer, null for its dense linear-attention layer; the run's
+    arch.moh has one per gated layer (a null once reached moh.num_shared_heads, which takes none)."""
+    from hf_families import save_tiny
+
+    from moh_lightning.models.hf_causal import read_source_config
+    from moh_lightning.tasks.language_model import source_arch
+
+    save_tiny("bailing_hybrid", tmp_path / "source")
+    moh(["convert-hf", "--source", str(tmp_path / "source"), "--out", str(tmp_path / "moh")])
+    arch = source_arch(read_source_config(str(tmp_path / "moh")))
+    assert (arch["moh.num_shared_heads"], arch["moh.top_k"]) == (2, 1)
+
+
 def test_convert_llama_keeps_the_sources_dtype_unless_asked(tmp_path):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,

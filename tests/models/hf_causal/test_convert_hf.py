@@ -166,8 +166,9 @@ def test_head_sparse_execution_computes_the_masked_logits():
 #: (``results/hf_families.py`` converts every family): a composite's language model under ``text_config`` (Gemma 3),
 #: per-layer head widths (Gemma 4), an infinite config value (Falcon-H1), a folder without a tokenizer whose family's
 #: tokenizer class fails on it (CTRL), attention residuals that call the attention interface over the depth's block
-#: outputs, not over tokens with heads (Inkling 2: the gates once asked them for a ``layer_idx``).
-CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl", "inkling2_text")
+#: outputs, not over tokens with heads (Inkling 2: the gates once asked them for a ``layer_idx``), an attention class
+#: not named ``...Attention``, two a decoder layer (Longcat's ``LongcatFlashMLA``: once refused as having none).
+CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl", "inkling2_text", "longcat_flash")
 
 
 @pytest.mark.parametrize("model_type", CONVERTED_EXACTLY)
@@ -212,12 +213,71 @@ def test_layers_with_heads_of_their_own_number_take_a_budget_each(model_type, tm
         moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "x"), "--top_k", "[1, 1, 1]"])
 
 
+@pytest.mark.parametrize("model_type", ["bailing_hybrid", "kimi_linear"])
+def test_a_hybrid_gates_exactly_the_layers_that_call_the_interface_and_its_folder_says_so(model_type, tmp_path,
+                                                                                           monkeypatch):
+    """A hybrid's linear-attention layer (``BailingHybridDeltaAttention``, ``KimiLinearDeltaAttention``) is named an
+    attention and has a ``layer_idx`` but never calls the attention interface: it stays dense, and config.json and the
+    model card say so. They once listed a budget for it (``moh_num_shared_heads: 1``, "Activated heads: 4 of 8")
+    that no gate applied. Here each call of the interface is recorded with the gates it applied."""
+    from hf_families import save_tiny
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    source = save_tiny(model_type, tmp_path / "source")              # layer 0 linear attention, layer 1 full
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "50"), "--num_shared_heads", "1",
+         "--top_k", "1"])
+    config = json.loads((tmp_path / "50" / "config.json").read_text())
+    assert (config["moh_num_shared_heads"], config["moh_top_k"]) == ([None, 1], [None, 1])
+    card = (tmp_path / "50" / "README.md").read_text()
+    assert "Activated heads: 2 of 4 (50.0%) in the 1 layers whose attention goes through" in card
+    assert "| 0 | - | dense | - |\n| 1 | 4 | 1 | 1 |" in card
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "50", trust_remote_code=True).eval()
+    attention = ALL_ATTENTION_FUNCTIONS["moh_sdpa"]
+    gates_of = attention.__globals__["query_norm_gates"]
+    calls = []  # [layer_idx, mean fraction of heads the gates kept]
+
+    def recording_attention(module, *args, **kwargs):
+        calls.append([module.layer_idx, 1.0])
+        return attention(module, *args, **kwargs)
+
+    def recording_gates(*args):
+        gates = gates_of(*args)
+        calls[-1][1] = gates.mean().item()
+        return gates
+
+    monkeypatch.setitem(attention.__globals__, "query_norm_gates", recording_gates)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "moh_sdpa", recording_attention)
+    _logits(model, _ids())
+    assert calls == [[1, 0.5]]                                          # the gates the folder lists, where it lists
+    suite = build_hf_causal(read_source_config(str(tmp_path / "50")), MoHConfig(router="query_norm"),
+                            weights=str(tmp_path / "50")).eval()
+    monkeypatch.undo()
+    assert [(layer.num_shared_heads, layer.router.top_k) for layer in moh_layers(suite)] == [(1, 1)]
+    with torch.no_grad():
+        torch.testing.assert_close(suite(_ids()), _logits(model, _ids()), atol=2e-5, rtol=1e-5)
+
+
+def test_layers_the_code_says_are_gated_but_a_forward_does_not_call_are_one_line(tmp_path, monkeypatch):
+    """Had the gated layers been told by their class's name, as they once were, the linear attention would be listed
+    with a budget no gate applies: a forward of four tokens tells, and convert-hf stops instead of writing it."""
+    from hf_families import save_tiny
+
+    from moh_lightning.models.hf_causal import network
+
+    source = save_tiny("bailing_hybrid", tmp_path / "source")
+    monkeypatch.setattr(network, "calls_interface", lambda module: type(module).__name__.endswith("Attention"))
+    with pytest.raises(SystemExit, match=r"^moh convert-hf: BailingHybridForCausalLM: cannot tell which layers go "
+                                         r"through transformers' attention interface \(BailingHybridDeltaAttention "
+                                         r"called it or not, unlike its code says\); .*: not supported\.$"):
+        moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "out")])
+
+
 def test_a_family_that_picks_its_attention_class_by_name_is_one_line(tmp_path):
     """GIT looks its attention class up by implementation name (``KeyError: 'moh_eager'`` once)."""
     from hf_families import save_tiny
 
     source = save_tiny("git", tmp_path / "source")
-    with pytest.raises(SystemExit, match=r"^moh convert-hf: GitForCausalLM: its attention does not go through "
+    with pytest.raises(SystemExit, match=r"^moh convert-hf: GitForCausalLM: none of its 2 layers calls "
                                          r"transformers' attention interface, [^\n]*\.$"):
         moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "out")])
 
