@@ -2,10 +2,11 @@
 
 Training follows DiT (Peebles & Xie): 1000-step linear-beta forward process, loss = eps-MSE + the variational bound
 term that trains the learned variance (with the predicted mean held fixed), AdamW at a constant 1e-4 with no weight
-decay, plus ``beta`` times MoH's load-balance loss. The EMA of the weights is Lightning's ``EMAWeightAveraging``
-callback: it swaps the average in for validation and writes it as the checkpoint's ``state_dict``, so a checkpoint
-loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses diffusers' ``DDPMScheduler``
-(learned-range variance, respaced to e.g. 250 steps) or ``DDIMScheduler`` with classifier-free guidance.
+decay, plus ``beta`` times MoH's load-balance loss. The EMA of the weights is an ``EMAWeightAveraging`` callback
+(Lightning's, or the suite's fused one): it swaps the average in for validation and writes it as the checkpoint's
+``state_dict``, so a checkpoint loaded with ``load_from_checkpoint`` samples with the EMA weights. Sampling uses
+diffusers' ``DDPMScheduler`` (learned-range variance, respaced to e.g. 250 steps) or ``DDIMScheduler`` with
+classifier-free guidance.
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ DDP_TASKS = {
     # are the always-on callbacks'.
     "diffusion": ("dit_mnist_90", ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1",
                                    "--trainer.val_check_interval=3", "--trainer.callbacks=" + json.dumps([
-                                       {"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging",
+                                       {"class_path": "moh_lightning.callbacks.EMAWeightAveraging",
                                         "init_args": {"decay": 0.9, "update_starting_at_step": 1}},
                                        {"class_path": "moh_lightning.callbacks.sample_grid.SampleGridCallback",
                                         "init_args": {"every_n_steps": 2, "num_per_class": 1, "steps": 2}}])]),

@@ -349,7 +349,7 @@ LM = ["--config", resolve_config("llm_stdlib_75.yaml"), *COMMON,
 # (newest 2 kept, plus last.ckpt) into the run folder.
 CHECKPOINT = {"every_n_train_steps": 3, "keep": 2}
 # EMA from step 2, so that it has averaged several steps when each checkpoint is written.
-EMA = {"class_path": "lightning.pytorch.callbacks.EMAWeightAveraging",
+EMA = {"class_path": "moh_lightning.callbacks.EMAWeightAveraging",
        "init_args": {"decay": 0.9, "update_starting_at_step": 2}}
 
 

@@ -1,0 +1,55 @@
+"""``EMAWeightAveraging``: Lightning's EMA of the weights, updated in one fused call and without a host read.
+
+Lightning's callback updates its ``AveragedModel`` one tensor at a time through an ``avg_fn`` (five small kernels per
+tensor: ~20 ms a step for the MNIST DiT's 1.3M parameters on the CPU, a third of its step), and
+``AveragedModel.update_parameters`` asks ``if self.n_averaged > 0`` of a counter that lives on the model's device: on
+a GPU, a host read that stalls the kernel queue in every step. Here the update is ``torch._foreach_lerp_`` over all
+floating-point tensors (the EMA of ``torch.optim.swa_utils.get_ema_multi_avg_fn``), and whether a first copy is due
+is read from the callback's own ``latest_update_step``, which Lightning keeps in the checkpoint. The class keeps
+Lightning's name, so checkpoints of either resume with the other.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMA
+
+
+class EMAWeightAveraging(LightningEMA):
+    """Lightning's ``EMAWeightAveraging`` (same arguments, schedule and checkpoint state) with a fused update that
+    never reads the device."""
+
+    def __init__(self, decay: float = 0.999, **kwargs) -> None:
+        super().__init__(decay=decay, **kwargs)
+        self.decay = decay
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        step_idx = trainer.global_step - 1  # zero-based, as Lightning's own hook passes it
+        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
+            self._update(pl_module, first=self._latest_update_step == 0)
+            self._latest_update_step = trainer.global_step
+
+    @torch.no_grad()
+    def _update(self, pl_module: LightningModule, first: bool) -> None:
+        average = self._average_model
+        if self._use_buffers:
+            pairs = list(zip(itertools.chain(average.module.parameters(), average.module.buffers()),
+                             itertools.chain(pl_module.parameters(), pl_module.buffers()), strict=True))
+        else:  # the buffers follow the model's, as AveragedModel's own update has them
+            pairs = list(zip(average.module.parameters(), pl_module.parameters(), strict=True))
+            for averaged, current in zip(average.module.buffers(), pl_module.buffers(), strict=True):
+                averaged.copy_(current)
+        if first:
+            for averaged, current in pairs:
+                averaged.copy_(current)
+        else:
+            floats = [(a, c) for a, c in pairs if a.is_floating_point()]
+            if floats:
+                averaged, current = zip(*floats, strict=True)
+                torch._foreach_lerp_(list(averaged), [c.to(a.device) for a, c in floats], 1.0 - self.decay)
+            for averaged, current in pairs:  # integer buffers: the formula of get_ema_avg_fn
+                if not averaged.is_floating_point():
+                    averaged.copy_(averaged * self.decay + current.to(averaged.device) * (1.0 - self.decay))
+        average.n_averaged += 1
