@@ -54,22 +54,24 @@ class MoHConfig:
             raise ValueError("moh.execution=sparse cannot train the query_norm router: its straight-through gradient "
                              "needs every head's output. Use auto (head-sparse at inference where it pays) or masked.")
 
-    def layers(self, num_heads: int | Sequence[int], depth: int) -> list[dict]:
-        """``MoHAttention`` keyword arguments for each of ``depth`` layers, every budget checked."""
-        heads = _per_layer(num_heads, depth, "num_heads")
-        shared = _per_layer(self.num_shared_heads, depth, "moh.num_shared_heads")
-        top_k = _per_layer(self.top_k, depth, "moh.top_k")
+    def layers(self, num_heads: int | Sequence[int], depth: int, count: str = "depth") -> list[dict]:
+        """``MoHAttention`` keyword arguments for each of ``depth`` layers, every budget checked; ``count`` names
+        where the model's config gives their number."""
+        heads = _per_layer(num_heads, depth, "num_heads", count)
+        shared = _per_layer(self.num_shared_heads, depth, "moh.num_shared_heads", count)
+        top_k = _per_layer(self.top_k, depth, "moh.top_k", count)
         common = {"router": self.router, "router_dtype": self.router_dtype, "two_stage_routing": self.two_stage_routing,
                   "execution": self.execution}
         return [{**common, "num_shared_heads": s, "top_k": check_head_budget(h, s, k, where=f"layer {i}")}
                 for i, (h, s, k) in enumerate(zip(heads, shared, top_k, strict=True))]
 
 
-def attention_layers(moh: MoHConfig | None, num_heads: int | Sequence[int], depth: int) -> list[dict]:
+def attention_layers(moh: MoHConfig | None, num_heads: int | Sequence[int], depth: int,
+                     count: str = "depth") -> list[dict]:
     """``MoHAttention`` keyword arguments for each layer of a model: routed per ``moh``, or dense when it is None."""
     if moh is None:
         return [{"dense": True} for _ in range(depth)]
-    return moh.layers(num_heads, depth)
+    return moh.layers(num_heads, depth, count)
 
 
 def activated_fraction(moh: MoHConfig | None, num_heads: int | Sequence[int], depth: int) -> float:
@@ -109,13 +111,13 @@ def _budget_value(value, allow_none: bool) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _per_layer(value: int | Sequence[int] | None, depth: int, key: str) -> list:
-    """A scalar for every layer, or a list checked to have one entry per layer."""
+def _per_layer(value: int | Sequence[int] | None, depth: int, key: str, count: str = "depth") -> list:
+    """A scalar for every layer, or a list checked to have one entry per layer (``count`` of them)."""
     if value is None or isinstance(value, int):
         return [value] * depth
     value = list(value)
     if len(value) != depth:
-        raise ValueError(f"{key} has {len(value)} entries but depth={depth}: give one per layer or a single int.")
+        raise ValueError(f"{key} has {len(value)} entries but {count}={depth}: give one per layer or a single int.")
     return value
 
 

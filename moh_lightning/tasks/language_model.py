@@ -21,11 +21,12 @@ import torch
 
 from moh_lightning.data.tokenizers import BYTE_TOKENIZER
 from moh_lightning.errors import BadValueError
+from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     build_hf_causal,
-    default_budget,
     family_config,
     head_budget,
+    query_heads,
     read_source_config,
 )
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
@@ -36,6 +37,8 @@ _SOURCE_FIELDS = {"depth": "num_hidden_layers", "embed_dim": "hidden_size", "num
                   "head_dim": "head_dim", "num_kv_heads": "num_key_value_heads",
                   "intermediate_size": "intermediate_size", "block_size": "max_position_embeddings",
                   "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+#: What ``not_the_sources`` calls the source's value: its config's field, or where ``source_arch`` reads it.
+_SOURCE_NAMES = {**_SOURCE_FIELDS, "rope_base": "rope_theta", "layer_heads": "its attention layers' query heads"}
 
 
 def complete(model: torch.nn.Module, prompt_ids: list[int], tokenizer, max_new_tokens: int, temperature: float,
@@ -58,9 +61,10 @@ class LanguageModel(MoHTask):
 
     Args:
         arch: The architecture, including the MoH head budget (``arch.moh``). With ``init_from`` only ``arch.moh``
-            applies (``router: query_norm``; its budget, else the source's ``moh_*`` one, else half the heads shared
-            and half the routed ones kept, ``models.hf_causal.head_budget``; ``moh: null`` tunes densely), and a shape
-            or setting that differs from the source's stops the run naming it.
+            applies (``router: query_norm``; its budget, else the source's ``moh_*`` one, else half of each layer's
+            heads shared and half the routed ones kept, ``models.hf_causal.head_budget``; a per-layer list has one
+            entry per attention layer, ``arch.layer_heads``; ``moh: null`` tunes densely), and a shape or setting
+            that differs from the source's stops the run naming it.
         init_from: A ``transformers`` causal LM (folder or hub id; a ``moh convert-hf`` / ``export-hf`` /
             ``convert-llama`` folder too) to continue-tune: the network is that model, with MoH attention.
         lr: Maximum learning rate.
@@ -130,6 +134,9 @@ class LanguageModel(MoHTask):
             check_arch(config, hf_config, init_from or "the checkpoint's source")
             if config.moh is not None:
                 head_budget(config.moh, family_config(hf_config))  # the budget checked before anything is built
+        elif config.layer_heads is not None:  # MoHLlama has num_heads in every layer: a list would go unread
+            raise BadValueError(f"model.init_args.arch.layer_heads={config.layer_heads}: only a pretrained source "
+                                f"(init_from) has layers with heads of their own number; remove it.")
         if load_balance_beta is None:
             load_balance_beta = 0.0 if config.moh is not None and config.moh.router == "query_norm" else 0.01
         super().__init__(load_balance_beta, compile, activation_checkpointing, compile_kwargs)
@@ -280,14 +287,16 @@ def check_arch(config: LlamaConfig, hf_config: dict, source: str) -> None:
 def not_the_sources(name: str, value, theirs, source: str) -> str:
     """The line that refuses ``arch.<name>`` = ``value`` where the source ``init_from`` has ``theirs``."""
     return (f"model.init_args.arch.{name}={value}: with init_from the architecture is {source}'s "
-            f"({_SOURCE_FIELDS.get(name, 'rope_theta')}={theirs}); remove the override.")
+            f"({_SOURCE_NAMES[name]}={theirs}); remove the override.")
 
 
 def source_arch(hf_config: dict) -> dict:
     """The network ``init_from`` builds, as flat ``arch`` keys: the source's shapes and settings under
     ``LlamaConfig``'s names (a head width or key / value head count the family leaves to its defaults as it derives
-    them), and its head budget (a MoH folder's ``moh_*``, else ``default_budget``'s). So a run's ``config.yaml``
-    records the network that ran, and a partial ``moh`` override keeps the source's other keys."""
+    them), the query heads of each attention layer MoH gates where they are not ``num_heads`` in every layer
+    (``layer_heads``), and their head budget (``head_budget``: a MoH folder's ``moh_*``, else ``default_budget``'s of
+    each layer's own heads; one int where every layer has the same). So a run's ``config.yaml`` records the network
+    that ran, and a partial ``moh`` override keeps the source's other keys."""
     family = family_config(hf_config)
     arch = {name: getattr(family, theirs) for name, theirs in _SOURCE_FIELDS.items()
             if getattr(family, theirs, None) is not None}
@@ -299,13 +308,15 @@ def source_arch(hf_config: dict) -> dict:
     if heads:
         arch.setdefault("head_dim", family.hidden_size // heads)
         arch.setdefault("num_kv_heads", heads)
-    if getattr(family, "moh_num_shared_heads", None) is not None:
-        # config.json lists a budget by layer_idx, null for a hybrid's dense layers; arch.moh has one per gated layer.
-        for key, value in (("moh.num_shared_heads", family.moh_num_shared_heads), ("moh.top_k", family.moh_top_k)):
-            gated = [v for v in value if v is not None] if isinstance(value, list) else [value]
-            arch[key] = gated[0] if len(set(gated)) == 1 else gated
-    elif heads:
-        arch["moh.num_shared_heads"], arch["moh.top_k"] = default_budget(heads)
+    try:
+        gated = list(query_heads(family).values())
+        budget = head_budget(MoHConfig(router="query_norm"), family)
+    except ValueError:  # a family MoH cannot gate has no budget to record; a dense run tunes it, a MoH run stops
+        return arch
+    if gated != [heads] * arch["depth"]:
+        arch["layer_heads"] = gated
+    for key, values in zip(("moh.num_shared_heads", "moh.top_k"), zip(*budget, strict=True), strict=True):
+        arch[key] = values[0] if len(set(values)) == 1 else list(values)
     return arch
 
 

@@ -115,6 +115,11 @@ def test_block_size_and_budget_errors():
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="top_k"):
         LlamaConfig(num_heads=4, moh=MoHConfig(num_shared_heads=2, top_k=3))
+    with pytest.raises(ValueError, match=r"^layer_heads=\[\]: give one positive int per attention layer"):
+        LlamaConfig(layer_heads=[])
+    # Heads of their own number per layer are a pretrained source's (init_from); MoHLlama would not read them.
+    with pytest.raises(ValueError, match=r"^model.init_args.arch.layer_heads=\[4, 8\]: only a pretrained source "):
+        LanguageModel(LlamaConfig(depth=2, num_heads=4, layer_heads=[4, 8], moh=MoHConfig(num_shared_heads=2)))
 
 
 def test_byte_encoding_matches_byt5_tokenizer():

@@ -97,20 +97,6 @@ def test_a_converted_folder_is_a_valid_init_from(tmp_path):
                                llama.model.layers[0].self_attn.q_proj.weight)
 
 
-def test_a_converted_hybrids_folder_records_the_budget_of_its_gated_layers(tmp_path):
-    """A hybrid's config.json lists its budget by layer, null for its dense linear-attention layer; the run's
-    arch.moh has one per gated layer (a null once reached moh.num_shared_heads, which takes none)."""
-    from hf_families import save_tiny
-
-    from moh_lightning.models.hf_causal import read_source_config
-    from moh_lightning.tasks.language_model import source_arch
-
-    save_tiny("bailing_hybrid", tmp_path / "source")
-    moh(["convert-hf", "--source", str(tmp_path / "source"), "--out", str(tmp_path / "moh")])
-    arch = source_arch(read_source_config(str(tmp_path / "moh")))
-    assert (arch["moh.num_shared_heads"], arch["moh.top_k"]) == (2, 1)
-
-
 def test_convert_llama_keeps_the_sources_dtype_unless_asked(tmp_path):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
@@ -175,6 +161,59 @@ def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_s
     said = capsys.readouterr()
     assert "moh: evaluating" not in said.err and "not the config's" not in said.err
     assert f"moh validate: metrics and head load in {run / 'eval' / 'validate-last'}" in said.out
+
+
+def _run_arch() -> dict:
+    """The arch of the last continue_hf_75 run's config.yaml."""
+    run = run_checkpoints("continue_hf_75").parent
+    return yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]["arch"]
+
+
+def _layer_budgets(task: LanguageModel) -> list[tuple[int, int, int]]:
+    return [(layer.num_heads, layer.num_shared_heads, layer.router.top_k) for layer in moh_layers(task.model)]
+
+
+def test_layers_with_heads_of_their_own_number_continue_tune_with_a_budget_each(run_dir):
+    """A tiny Laguna's layers have 4 and 8 query heads: with no budget typed each keeps 75% of its own (2 + top-1,
+    4 + top-2), and the run's config.yaml records those heads and that budget and builds that network back; a typed
+    `top_k 1` keeps the source's shared heads. One budget from num_attention_heads (2 + top-1) was once filled in for
+    every layer, keeping 3 of the second's 8."""
+    from hf_families import save_tiny, train_tokenizer
+
+    source = save_tiny("laguna", run_dir / "source")
+    train_tokenizer(source)
+    (run_dir / "my.txt").write_text(TEXT * 20)
+    moh(_fit_args(source, "--trainer.max_steps", "1"))
+    arch = _run_arch()
+    assert (arch["layer_heads"], arch["moh"]["num_shared_heads"], arch["moh"]["top_k"]) == ([4, 8], [2, 4], [1, 2])
+    trained, _ = load_language_model(str(run_checkpoints("continue_hf_75") / "last.ckpt"))
+    rebuilt = _fitting(LanguageModel(arch, init_from=str(source)))
+    assert _layer_budgets(trained) == _layer_budgets(rebuilt) == [(4, 2, 1), (8, 4, 2)]
+    moh(_fit_args(source, "--model.init_args.arch.moh.top_k", "1", "--trainer.max_steps", "1",
+                  "--trainer.logger.init_args.name", "top1"))
+    arch = yaml.safe_load(next((run_dir / "runs" / "top1").glob("*/config.yaml")).read_text())
+    assert _layer_budgets(_fitting(LanguageModel(arch["model"]["init_args"]["arch"], init_from=str(source)))) == [
+        (4, 2, 1), (8, 4, 1)]
+
+
+def test_a_converted_hybrid_continue_tunes_with_a_budget_per_attention_layer(run_dir):
+    """A converted bailing_hybrid's linear-attention layer stays dense: the run's arch lists the heads of its one
+    attention layer, a per-layer budget has one entry for it (once refused: 'moh.top_k has 1 entries but depth=2'),
+    the run's config.yaml builds that network back, and a list of another length stops in one line naming it."""
+    from hf_families import save_tiny, train_tokenizer
+
+    save_tiny("bailing_hybrid", run_dir / "source")
+    moh(["convert-hf", "--source", "source", "--out", "converted"])
+    train_tokenizer(run_dir / "converted")
+    (run_dir / "my.txt").write_text(TEXT * 20)
+    moh(_fit_args("converted", "--model.init_args.arch.moh.top_k", "[2]", "--trainer.max_steps", "1"))
+    arch = _run_arch()
+    assert (arch["depth"], arch["layer_heads"], arch["moh"]["num_shared_heads"], arch["moh"]["top_k"]) == (
+        2, [4], 2, [2])
+    assert _layer_budgets(_fitting(LanguageModel(arch, init_from="converted"))) == [(4, 2, 2)]
+    with pytest.raises(SystemExit) as stop:
+        moh(_fit_args("converted", "--model.init_args.arch.moh.top_k", "[2, 1]", "--trainer.max_steps", "1"))
+    assert "\n" not in str(stop.value) and "moh.top_k has 2 entries but len(layer_heads)=1" in str(stop.value)
 
 
 @pytest.mark.slow
