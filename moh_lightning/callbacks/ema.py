@@ -23,7 +23,7 @@ class EMAWeightAveraging(LightningEMA):
 
     def __init__(self, decay: float = 0.999, **kwargs) -> None:
         super().__init__(decay=decay, **kwargs)
-        self.decay = decay
+        self._decay = decay
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step_idx = trainer.global_step - 1  # zero-based, as Lightning's own hook passes it
@@ -48,8 +48,8 @@ class EMAWeightAveraging(LightningEMA):
             floats = [(a, c) for a, c in pairs if a.is_floating_point()]
             if floats:
                 averaged, current = zip(*floats, strict=True)
-                torch._foreach_lerp_(list(averaged), [c.to(a.device) for a, c in floats], 1.0 - self.decay)
+                torch._foreach_lerp_(list(averaged), [c.to(a.device) for a, c in floats], 1.0 - self._decay)
             for averaged, current in pairs:  # integer buffers: the formula of get_ema_avg_fn
                 if not averaged.is_floating_point():
-                    averaged.copy_(averaged * self.decay + current.to(averaged.device) * (1.0 - self.decay))
+                    averaged.copy_(averaged * self._decay + current.to(averaged.device) * (1.0 - self._decay))
         average.n_averaged += 1
