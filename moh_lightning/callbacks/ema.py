@@ -1,12 +1,12 @@
 """``EMAWeightAveraging``: Lightning's EMA of the weights, updated in one fused call and without a host read.
 
-Lightning's callback updates its ``AveragedModel`` one tensor at a time through an ``avg_fn`` (five small kernels per
-tensor: ~20 ms a step for the MNIST DiT's 1.3M parameters on the CPU, a third of its step), and
-``AveragedModel.update_parameters`` asks ``if self.n_averaged > 0`` of a counter that lives on the model's device: on
-a GPU, a host read that stalls the kernel queue in every step. Here the update is ``torch._foreach_lerp_`` over all
-floating-point tensors (the EMA of ``torch.optim.swa_utils.get_ema_multi_avg_fn``), and whether a first copy is due
-is read from the callback's own ``latest_update_step``, which Lightning keeps in the checkpoint. The class keeps
-Lightning's name, so checkpoints of either resume with the other.
+Lightning's callback updates its ``AveragedModel`` one tensor at a time through an ``avg_fn`` (a few small kernels per
+tensor: 2.1 ms for the MNIST DiT's 1.3M parameters in 66 tensors on 2 CPU cores, against 0.16 ms fused; on a GPU each
+kernel is a launch), and ``AveragedModel.update_parameters`` asks ``if self.n_averaged > 0`` of a counter that lives
+on the model's device: on a GPU, a host read that stalls the kernel queue in every step. Here the update is
+``torch._foreach_lerp_`` over all floating-point tensors (the EMA of ``torch.optim.swa_utils.get_ema_multi_avg_fn``),
+and whether a first copy is due is read from the callback's own ``latest_update_step``, which Lightning keeps in the
+checkpoint. The class keeps Lightning's name, so checkpoints of either resume with the other.
 """
 from __future__ import annotations
 
