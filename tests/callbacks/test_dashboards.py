@@ -284,3 +284,16 @@ def test_hparams_columns_are_the_metrics_each_task_logs():
     assert hparam_metrics(ClassConditionalDiffusion, [SampleGridCallback()]) == ("val/loss", entropy)
     assert hparam_metrics(ClassConditionalDiffusion, [SampleGridCallback(fid_num_samples=8)]) == (
         "val/loss", "samples/fid", "samples/sfid", entropy)
+
+
+@pytest.mark.parametrize(("every", "drawn"), [(5, [3, 14]), (2, [3, 11, 14])])
+def test_validation_heatmaps_every_n_validations_and_the_last_at_the_end(tmp_path, every, drawn):
+    # Validations at steps 3, 6, 11 and 14 (8 batches an epoch): the first and every n-th are drawn, and the last
+    # once training ends, so the run folder's heatmaps are always the last validation's; loads.json is written at
+    # every validation.
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer = _fit(TinyTask(), logger, tmp_path, max_steps=14, images_every_n_validations=every)
+    events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0}).Reload()
+    for tag in ("head_load/heatmap_val", "head_load/per_class_layer_00"):
+        assert [image.step for image in events.Images(tag)] == drawn
+    assert HeadLoadSnapshot.load(Path(trainer.log_dir) / "head_load" / "loads.json").step == 14

@@ -11,9 +11,10 @@ validation set. A routed head's *balanced* load is top-k / routed heads. What is
 task (TensorBoard groups tags by their first path part, so the images come first, in one group):
 
 * ``head_load/heatmap_train`` (every ``images_every_n_windows``-th logging window, the first one included),
-  ``head_load/heatmap_val`` (each validation) and ``head_load/heatmap_test`` (``moh test``): layers x heads, shared
-  heads marked, loads in % of tokens written in the cells, coloured by load / balanced load.
-* ``head_load/per_<group>_layer_XX`` (each validation, every routed layer): groups x routed heads, the groups being
+  ``head_load/heatmap_val`` (every ``images_every_n_validations``-th validation of a fit and its last) and
+  ``head_load/heatmap_test`` (``moh test``): layers x heads, shared heads marked, loads in % of tokens written in the
+  cells, coloured by load / balanced load.
+* ``head_load/per_<group>_layer_XX`` (with ``heatmap_val``, every routed layer): groups x routed heads, the groups being
   what the task's ``head_load_groups`` returns, named by its ``head_load_group_name`` (class, source), and for a task
   that exposes ``last_timesteps`` (diffusion) also the timestep in ``timestep_buckets`` buckets (``per_timestep``).
 * ``head_load_per_head/layer_XX/head_YY``: the exact load of every routed head each window (shared heads serve every

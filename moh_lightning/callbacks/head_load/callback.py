@@ -38,12 +38,17 @@ class HeadLoadCallback(Callback):
         images_every_n_windows: Log the training heatmap every this many logging windows, the first window
             included (1 = every window). Drawing a card takes ~0.1 s of host time (matplotlib), which every window
             of a small model's CPU run would add to its step time: the per-head scalars come every window.
+        images_every_n_validations: Draw the validation heatmaps (layers and each routed layer's groups: a card
+            each) every this many validations of a fit, the first included, and the last one at the end of
+            training; ``loads.json`` is written at every validation. Seven cards took 4x the MNIST default's whole
+            validation. ``moh validate`` / ``moh test`` always draw theirs.
         hparam_metrics: Scalar tags shown as metrics beside the hyper-parameters (TensorBoard HParams); None: the
             ones the run logs (its task's, its callbacks', the final load entropy: ``summary.hparam_metrics``).
     """
 
     def __init__(self, log_every_n_steps: int | None = None, low_load: float = 0.01, max_groups: int = 12,
                  collapse_windows: int = 5, timestep_buckets: int = 4, images_every_n_windows: int = 10,
+                 images_every_n_validations: int = 5,
                  hparam_metrics: list[str] | None = None) -> None:
         super().__init__()
         if log_every_n_steps is not None and log_every_n_steps < 1:
@@ -52,6 +57,9 @@ class HeadLoadCallback(Callback):
             raise ValueError(f"HeadLoadCallback collapse_windows={collapse_windows} must be at least 1.")
         if images_every_n_windows < 1:
             raise ValueError(f"HeadLoadCallback images_every_n_windows={images_every_n_windows} must be at least 1.")
+        if images_every_n_validations < 1:
+            raise ValueError(f"HeadLoadCallback images_every_n_validations={images_every_n_validations} must be at "
+                             f"least 1.")
         if timestep_buckets < 0:
             raise ValueError(f"HeadLoadCallback timestep_buckets={timestep_buckets} must be >= 0.")
         self.log_every_n_steps = log_every_n_steps
@@ -60,6 +68,9 @@ class HeadLoadCallback(Callback):
         self.collapse_windows = collapse_windows
         self.timestep_buckets = timestep_buckets
         self.images_every_n_windows = images_every_n_windows
+        self.images_every_n_validations = images_every_n_validations
+        self._validations = 0
+        self._undrawn: tuple | None = None
         self.hparam_metrics = hparam_metrics
         self._metrics: tuple[str, ...] = ()
         self.counter = HeadLoadCounter(low_load, collapse_windows, timestep_buckets)
@@ -143,17 +154,30 @@ class HeadLoadCallback(Callback):
         loads_file = snapshot.save(folder)
         for logger in trainer.loggers:
             adapter(logger).loads_saved(loads_file)
-        self._log_image(trainer, f"head_load/heatmap_{tag}", layer_card(snapshot), folder / "layers.png")
+        self._undrawn = None
+        if split == "validation":
+            self._validations += 1
+            if (self._validations - 1) % self.images_every_n_validations:
+                self._undrawn = (snapshot, folder, tag)  # drawn at the end of training if no later one is
+                return
+        self._draw_evaluation(trainer, snapshot, folder, tag)
+
+    def _draw_evaluation(self, trainer: Trainer, snapshot, folder: Path, tag: str) -> None:
+        self._log_image(trainer, f"head_load/heatmap_{tag}", layer_card(snapshot), folder / "layers.png",
+                        snapshot.step)
         for layer, group in snapshot.group_views():
             name = f"{group.kind}_layer_{group.layer:02d}"
             self._log_image(trainer, f"head_load/per_{name}", group_card(layer, group, self.max_groups),
-                            folder / f"{name}.png")
+                            folder / f"{name}.png", snapshot.step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         snapshot = self.counter.last_val or self.counter.last_train
         folder = _head_load_folder(trainer)
         if folder is None:
             return
+        if self._undrawn is not None:  # the run folder's heatmaps are always the last validation's
+            self._draw_evaluation(trainer, *self._undrawn)
+            self._undrawn = None
         final: dict[str, float] = {}
         entropy = mean_load_entropy(snapshot.layers) if snapshot is not None else None
         if entropy is not None:
@@ -178,13 +202,15 @@ class HeadLoadCallback(Callback):
         for logger in trainer.loggers:
             adapter(logger).end(text, snapshot, history, over_time, trainer.global_step)
 
-    def _log_image(self, trainer: Trainer, tag: str, rgb: np.ndarray, path: Path | None = None) -> None:
+    def _log_image(self, trainer: Trainer, tag: str, rgb: np.ndarray, path: Path | None = None,
+                   step: int | None = None) -> None:
         if path is not None:
             save_png(rgb, path)
+        step = trainer.global_step if step is None else step
         for logger in trainer.loggers:
-            if not logged_earlier(logger, tag, trainer.global_step):  # a resumed run repeats the steps after its
-                adapter(logger).image(tag, rgb, trainer.global_step)  # checkpoint: no second image of one step
-                record_logged(logger, tag, trainer.global_step)
+            if not logged_earlier(logger, tag, step):  # a resumed run repeats the steps after its checkpoint: no
+                adapter(logger).image(tag, rgb, step)  # second image of one step
+                record_logged(logger, tag, step)
 
 
 def _head_load_folder(trainer: Trainer) -> Path | None:
