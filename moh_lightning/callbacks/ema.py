@@ -47,8 +47,7 @@ class EMAWeightAveraging(LightningEMA):
         else:
             floats = [(a, c) for a, c in pairs if a.is_floating_point()]
             if floats:
-                averaged, current = zip(*floats, strict=True)
-                torch._foreach_lerp_(list(averaged), [c.to(a.device) for a, c in floats], 1.0 - self._decay)
+                torch._foreach_lerp_([a for a, _ in floats], [c.to(a.device) for a, c in floats], 1.0 - self._decay)
             for averaged, current in pairs:  # integer buffers: the formula of get_ema_avg_fn
                 if not averaged.is_floating_point():
                     averaged.copy_(averaged * self._decay + current.to(averaged.device) * (1.0 - self._decay))
