@@ -309,12 +309,12 @@ def source_arch(hf_config: dict) -> dict:
         arch.setdefault("head_dim", family.hidden_size // heads)
         arch.setdefault("num_kv_heads", heads)
     try:
-        gated = list(query_heads(family).values())
-        budget = head_budget(MoHConfig(router="query_norm"), family)
+        gated = query_heads(family)
+        budget = head_budget(MoHConfig(router="query_norm"), family, gated)
     except ValueError:  # a family MoH cannot gate has no budget to record; a dense run tunes it, a MoH run stops
         return arch
-    if gated != [heads] * arch["depth"]:
-        arch["layer_heads"] = gated
+    if list(gated.values()) != [heads] * arch["depth"]:
+        arch["layer_heads"] = list(gated.values())
     for key, values in zip(("moh.num_shared_heads", "moh.top_k"), zip(*budget, strict=True), strict=True):
         arch[key] = values[0] if len(set(values)) == 1 else list(values)
     return arch

@@ -13,6 +13,7 @@ from moh_lightning.models.hf_causal import (
     HFCausalLM,
     build_hf_causal,
     check_gated_layers,
+    default_budget,
     export_hf_causal,
     family_config,
     query_heads,
@@ -56,9 +57,9 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
     with one_line_errors("convert-hf"):
         config = read_source_config(source)
         heads = list(query_heads(family_config(config)).values())
-        shared = [h // 2 if s is None else s for h, s in zip(heads, _per_layer(num_shared_heads, heads,
-                                                                               "--num_shared_heads"), strict=True)]
-        kept = [(max(1, (h - s) // 2) if h > s else 0) if k is None else k
+        shared = [default_budget(h, s)[0] for h, s in zip(heads, _per_layer(num_shared_heads, heads,
+                                                                            "--num_shared_heads"), strict=True)]
+        kept = [default_budget(h, s)[1] if k is None else k
                 for h, s, k in zip(heads, shared, _per_layer(top_k, heads, "--top_k"), strict=True)]
         moh = MoHConfig(num_shared_heads=_one_or_list(shared), top_k=_one_or_list(kept), router="query_norm",
                         router_dtype=router_dtype)

@@ -198,16 +198,17 @@ def language_model_config(config):
     return text
 
 
-def default_budget(num_heads: int) -> tuple[int, int]:
-    """Paper section 4.4's split for a pretrained model: the first half of the heads shared, half of the routed
-    heads kept per token (75% active)."""
-    shared = num_heads // 2
+def default_budget(num_heads: int, shared: int | None = None) -> tuple[int, int]:
+    """Paper section 4.4's split for a pretrained model: the first half of the heads shared (or ``shared``), half of
+    the routed heads kept per token (75% active)."""
+    shared = num_heads // 2 if shared is None else shared
     return shared, max(1, (num_heads - shared) // 2) if num_heads > shared else 0
 
 
-def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
+def head_budget(moh: MoHConfig, config, heads: dict[int, int] | None = None) -> list[tuple[int, int]]:
     """(shared heads, routed heads kept) per attention layer that MoH gates in the family ``config`` under ``moh``,
-    each for the layer's own heads (``query_heads``): a per-layer list of ``moh`` has one entry per such layer.
+    each for the layer's own heads (``query_heads``, or ``heads`` where the caller has them: each is a build of the
+    model on the meta device): a per-layer list of ``moh`` has one entry per such layer.
 
     ``moh``'s budget when it sets one; else the budget a MoH source folder carries (``moh_*``); else
     ``default_budget``. Only the query-norm router fits a pretrained model through the attention interface.
@@ -216,7 +217,7 @@ def head_budget(moh: MoHConfig, config) -> list[tuple[int, int]]:
         raise ValueError(f"moh.router={moh.router!r}: continue-tuning a transformers model takes the parameter-free "
                          f"router (set moh.router: query_norm); transformers' attention interface passes the queries, "
                          f"not the layer input a learned router reads.")
-    heads = query_heads(config)
+    heads = query_heads(config) if heads is None else heads
     if moh.num_shared_heads != 0 or moh.top_k is not None:
         return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(list(heads.values()), len(heads))]
     if getattr(config, "moh_num_shared_heads", None) is not None:
