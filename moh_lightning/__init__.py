@@ -1,10 +1,19 @@
 """moh-lightning: Mixture-of-Head attention (Jin et al., ICML 2025) for PyTorch Lightning.
 
-Importing the package registers its named models with timm, as importing timm does for its own:
-``import moh_lightning; timm.create_model("moh_vit_small_patch16_224_75")``.
+``from moh_lightning import MoHAttention`` gives the block; ``import moh_lightning.models`` registers the named models
+with timm, as importing timm does for its own: ``timm.create_model("moh_vit_small_patch16_224_75")``. Importing the
+package alone loads nothing, so ``moh --help`` answers before torch would have loaded.
 """
-from moh_lightning.layers import MoHAttention, activated_head_fraction, moh_layers, pop_load_balance_loss
-from moh_lightning.models import transnext, vit  # noqa: F401  (their @register_model functions)
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 __all__ = ["MoHAttention", "activated_head_fraction", "moh_layers", "pop_load_balance_loss"]
+
+
+def __getattr__(name: str):
+    # PEP 562: the block's names load torch and timm only when first asked for.
+    if name in __all__:
+        return getattr(importlib.import_module("moh_lightning.layers"), name)
+    raise AttributeError(f"module 'moh_lightning' has no attribute {name!r}")

@@ -1,499 +1,91 @@
-"""The ``moh`` command: LightningCLI for fit / validate / test / predict, plus the suite's own tools.
+"""The ``moh`` command: a table from command names to what runs them.
 
-``moh fit --config vit_s_75.yaml`` runs a shipped config from any folder: a ``--config`` value that is not a
-file resolves against the suite's ``cli_configs/``. A config may start with ``extends:`` (one or more configs), which
-are stacked before it, so an experiment states only what makes it that experiment. Every run writes into its own run
-folder ``runs/<name>/version_N/`` (events, resolved config, checkpoints; see ``moh_lightning.runs``). Tools that are
-not Trainer loops (sampling, generation, evaluation, benchmarks, sweeps) are plain typed functions listed in
-``TOOLS`` and parsed by jsonargparse, so they take ``--help``, ``--config`` and overrides the same way; ``moh --help``
-lists every command with the first sentence of its docstring.
+``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's (``moh_lightning.trainer_cli``); every other command
+is a typed function parsed by jsonargparse, so it takes ``--help``, ``--config`` and overrides the same way. Nothing is
+imported until a command runs, so ``moh --help`` and a mistyped command answer before torch would have loaded; an
+integration missing for a command is one line naming the extra that installs it.
 """
 from __future__ import annotations
 
-import ast
 import difflib
 import importlib
-import importlib.util
-import json
 import logging
-import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-import torch
-import yaml
-from jsonargparse import CLI
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from moh_lightning.errors import UsageError, missing_extra
 
-from moh_lightning.callbacks import (
-    ExactResumeCallback,
-    FiniteLossGuard,
-    HeadLoadCallback,
-    LoggerRuns,
-    MoHThroughputMonitor,
-    PredictionWriter,
-    RunSummary,
-    StepCheckpoint,
-)
-from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
-from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows, run_folder
-from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
-from moh_lightning.configs import expand_config
-from moh_lightning.errors import UsageError
-from moh_lightning.models.hf_causal import read_source_config
-from moh_lightning.runs import (
-    check_resumable,
-    latest_loadable_checkpoint,
-    logger_runs,
-    logs_in_folders,
-    next_version,
-    record_changes,
-    run_root,
-    use_run_folder,
-)
-from moh_lightning.serialization import UnsafeCheckpointError
-from moh_lightning.settings import (
-    LINKED_SIZES,
-    checkpoint_settings,
-    compare_with_checkpoint,
-    flat,
-    typed_model_keys,
-    with_run_config,
-)
-from moh_lightning.tasks.base import MoHTask
-from moh_lightning.tasks.language_model import not_the_sources, source_arch
 
-# name -> "module:function"; imported only when called so `moh fit` does not load every task.
-TOOLS: dict[str, str] = {
-    "bench": "moh_lightning.tools.bench:bench",
-    "sample": "moh_lightning.tools.sample:sample",
-    "fidelity": "moh_lightning.tools.fidelity:fidelity",
-    "digit_quality": "moh_lightning.tools.digit_quality:digit_quality",
-    "generate": "moh_lightning.tools.generate:generate",
-    "convert-hf": "moh_lightning.tools.export:convert_hf",
-    "convert-llama": "moh_lightning.tools.export:convert_llama",
-    "export-hf": "moh_lightning.tools.export:export_checkpoint",
-    "export-timm": "moh_lightning.tools.export_timm:export_timm",
-    "load-authors-dit": "moh_lightning.tools.authors_dit:load_authors_dit_tool",
-    "load-authors-llama": "moh_lightning.tools.authors_llama:load_authors_llama_tool",
-    "lm-eval": "moh_lightning.tools.lm_eval:lm_eval",
-    "sweep": "moh_lightning.sweep:sweep",
-    "head-figures": "moh_lightning.tools.head_figures:head_figures",
+class Command(NamedTuple):
+    target: str  # "module:function", imported when the command runs
+    summary: str  # its line in `moh --help`: the first sentence of its docstring (tests/cli/test_cli_help.py)
+
+
+# LightningCLI's subcommands, each the Trainer method of its name.
+LOOPS: dict[str, Command] = {
+    "fit": Command("lightning.pytorch.Trainer:fit", "Runs the full optimization routine."),
+    "validate": Command("lightning.pytorch.Trainer:validate", "Perform one evaluation epoch over the validation set."),
+    "test": Command("lightning.pytorch.Trainer:test", "Perform one evaluation epoch over the test set."),
+    "predict": Command("lightning.pytorch.Trainer:predict", "Run inference on your data."),
 }
-
-_CONFIG_FLAGS = ("--config", "-c")
-EVALUATIONS = ("validate", "test", "predict")
-
-# What every run shares: crash-safe checkpoint writes, and TensorBoard events in runs/<name>/version_N/.
-TRAINER_DEFAULTS = {
-    "plugins": [{"class_path": "moh_lightning.checkpoint_io.AtomicCheckpointIO"}],
-    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-               # The head-load callback writes the HParams record with the run's real metrics; Lightning's
-               # placeholder hp_metric (-1) would only add an empty chart.
-               "init_args": {"save_dir": "runs", "name": None, "default_hp_metric": False}},
+TOOLS: dict[str, Command] = {
+    "bench": Command("moh_lightning.tools.bench:bench", "Benchmark MoH attention (head-sparse execution) and MoH "
+                     "models against dense multi-head attention."),
+    "sample": Command("moh_lightning.tools.sample:sample", "Samples images from a trained ClassConditionalDiffusion "
+                      "checkpoint (its EMA weights)."),
+    "fidelity": Command("moh_lightning.tools.fidelity:fidelity", "FID / sFID / IS / precision / recall of a folder or "
+                        ".npz of samples against a reference set."),
+    "digit_quality": Command("moh_lightning.tools.digit_quality:digit_quality", "Scores `moh sample` output of a "
+                             "MNIST diffusion model with a trained MNIST classifier."),
+    "generate": Command("moh_lightning.tools.generate:generate", "Continues a prompt with a trained MoH language "
+                        "model, decoding through the KV cache."),
+    "convert-hf": Command("moh_lightning.tools.export:convert_hf", "Converts any `transformers` causal LM whose "
+                          "attention goes through transformers' attention interface (Qwen2, Qwen3, Mistral, Phi-3, "
+                          "Gemma 2, LLaMA, ...) into a MoH folder with the parameter-free query-norm router."),
+    "convert-llama": Command("moh_lightning.tools.export:convert_llama", "Converts a `transformers` LLaMA into a "
+                             "MoH-LLaMA folder that `transformers` and lm-eval load."),
+    "export-hf": Command("moh_lightning.tools.export:export_checkpoint", "Exports a `moh fit` LanguageModel checkpoint "
+                         "to a `transformers` folder, optionally pushed to the hub."),
+    "export-timm": Command("moh_lightning.tools.export_timm:export_timm", "Writes a `moh fit` image-classifier "
+                           "checkpoint as a timm folder and optionally pushes it to the hub."),
+    "load-authors-dit": Command("moh_lightning.tools.authors_dit:load_authors_dit_tool", "Loads the authors' MoH-DiT "
+                                "into the suite's DiT and writes a checkpoint `moh sample` reads."),
+    "load-authors-llama": Command("moh_lightning.tools.authors_llama:load_authors_llama_tool", "Loads their MoH-LLaMA3 "
+                                  "into the suite's MoH-LLaMA and writes it for `moh lm-eval`."),
+    "lm-eval": Command("moh_lightning.tools.lm_eval:lm_eval", "Evaluates a MoH language model with "
+                       "lm-evaluation-harness and prints the harness's table."),
+    "sweep": Command("moh_lightning.sweep:sweep", "Run one `moh fit` config over a grid of overrides × seeds on Ray "
+                     "Tune; write a table and a plot."),
+    "head-figures": Command("moh_lightning.tools.head_figures:head_figures", "Renders the head-load heatmaps of a run "
+                            "folder as PDF / PNG figures."),
 }
+COMMANDS: dict[str, Command] = {**LOOPS, **TOOLS}
 
 
-_NULLABLE_GROUPS = (".moh",)  # dataclass-typed options whose value may be null: `arch.moh: null` is the dense baseline
+def target(command: Command) -> Callable:
+    module, _, name = command.target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def null_group_args(args: Sequence[str]) -> list[str]:
-    """``--<parent>.moh null`` as ``--<parent> '{"moh": null}'``.
-
-    jsonargparse reads a nested dataclass option inside a subclass's ``init_args`` as a config-file path, so
-    ``--model.init_args.arch.moh null`` fails ("Expected a dot import path string", jsonargparse issue #823); the
-    same value given to the parent merges into it.
-    """
-    out, args = [], list(args)
-    i = 0
-    while i < len(args):
-        flag, sep, value = args[i].partition("=")
-        if not sep and i + 1 < len(args):
-            value = args[i + 1]
-        if flag.startswith("--") and flag.endswith(_NULLABLE_GROUPS) and value.strip().lower() in ("null", "none", "~"):
-            parent, _, key = flag.rpartition(".")
-            out += [parent, json.dumps({key: None})]
-            i += 1 if sep else 2
-            continue
-        out.append(args[i])
-        i += 1
-    return out
+def commands_help() -> str:
+    """What ``moh --help`` prints: every command with its one line."""
+    width = max(map(len, COMMANDS))
+    return "\n".join([
+        "usage: moh <command> [--config NAME] [--key value ...]", "",
+        "Trainer loops (LightningCLI; a --config name resolves against the shipped cli_configs/):",
+        *(f"  {name:<{width}}  {command.summary}" for name, command in LOOPS.items()), "", "Tools:",
+        *(f"  {name:<{width}}  {command.summary}" for name, command in TOOLS.items()), "",
+        "`moh <command> --help` lists the options of a command."])
 
 
-def resolve_config_args(args: Sequence[str]) -> list[str]:
-    """Rewrites every ``--config NAME`` / ``--config=NAME`` into the stacked configs it stands for."""
-    out, args = [], list(args)
-    i = 0
-    while i < len(args):
-        flag, sep, value = args[i].partition("=")
-        if flag in _CONFIG_FLAGS and (sep or i + 1 < len(args)):
-            if not sep:
-                i += 1
-                value = args[i]
-            for expanded in expand_config(value):
-                out += [flag, expanded]
-        else:
-            out.append(args[i])
-        i += 1
-    return out
-
-
-def run_name(args: Sequence[str]) -> str | None:
-    """The name of a run: the stem of the first ``--config`` given, the experiment (overlays come after it)."""
-    for i, arg in enumerate(args):
-        flag, sep, value = arg.partition("=")
-        if flag in _CONFIG_FLAGS:
-            value = value if sep else (args[i + 1] if i + 1 < len(args) else "")
-            return Path(value).stem or None
-    return None
-
-
-def one_line_error(message: str) -> str:
-    """A jsonargparse error report (usage, nested union and subclass reports) as one line naming the key."""
-    unknown = re.search(r"unrecognized arguments: (\S+?)(?:=|\s|$)|Option '([^']+)' is not accepted", message)
-    if unknown:
-        # Inside a subclass the report names the group ("model"), then each nested group within its init_args
-        # ("arch.moh"), and last the argument relative to the innermost one.
-        groups = re.findall(r'Parser key "([^"]+)"', message)
-        name = (unknown.group(1) or unknown.group(2)).lstrip("-")
-        key = ".".join([f"{groups[0]}.init_args", *groups[1:], name]) if groups and "." not in groups[0] else name
-        if ":" in name:  # YAML reads `{path:my.txt}` as the key 'path:my.txt' without a value
-            field, _, value = name.partition(":")
-            return (f"unknown config key {key!r}: in YAML a key takes its value after a colon and a space, so write "
-                    f"'{field}: {value}' (a space after the colon).")
-        return (f"unknown config key {key!r}: check its spelling and level against `moh fit --config <yaml> "
-                f"--print_config` (keys are not abbreviated).")
-    # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
-    keys = re.findall(r'Parser key "([^"]+)"', message)
-    lines = [line.strip(" -") for line in message.splitlines() if line.strip(" -")]
-    reasons = [line for line in lines if not re.match(r"(Parser key|Does not validate|Subtypes|Errors|Given value"
-                                                      r"|Expected a <class 'NoneType'>|Problem with given)", line)]
-    reason = " ".join(reasons or lines)
-    if keys:
-        return f"config key {'.init_args.'.join(keys)!r}: {reason}"
-    built = re.search(r"class_path='(?:\w+\.)*(\w+)'", message)
-    return f"{built.group(1)}: {reason}" if built else reason
-
-
-def _debugging_jsonargparse() -> bool:
-    """Whether jsonargparse's documented debug switch is on (then its full reports are wanted)."""
-    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() in ("1", "true", "yes", "on")
-
-
-class OneLineErrorParser(LightningArgumentParser):
-    """Parser errors as one line naming the key and what to do, instead of usage text and nested reports.
-
-    Abbreviated options are errors too (argparse would silently read ``--trainer.max_step`` as ``max_steps``).
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error or _debugging_jsonargparse():  # jsonargparse catches these errors itself
-            super().error(message, ex)
-        raise SystemExit(f"moh: {one_line_error(message)}")
-
-
-class MoHLightningCLI(LightningCLI):
-    """LightningCLI over any of the suite's tasks and data modules, chosen by ``class_path`` in the config.
-
-    The callbacks every run needs are always on, each configured under its own key: ``head_load``
-    (``HeadLoadCallback``), ``checkpoint`` (``StepCheckpoint``), ``exact_resume``, ``finite_loss_guard``,
-    ``run_summary``, ``throughput`` (``MoHThroughputMonitor``), ``predictions`` (``PredictionWriter``, what
-    ``moh predict`` writes), ``shutdown`` (``RunShutdown``) and ``logger_runs``.
-    ``--ckpt_path last`` resumes the newest checkpoint of this run's name, in its own run folder, and refuses a
-    run that differs from the one saved with it in what makes it that run (``moh_lightning.runs``); a longer budget
-    or other workers continue, with one line saying what changed.
-    """
-
-    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
-        from_command_line = args is None
-        given = list(sys.argv[1:] if from_command_line else args)
-        if given[:1] and given[0] in EVALUATIONS:
-            given = [given[0], *with_run_config(given[0], given[1:], _CONFIG_FLAGS)]
-        self.run_name = run_name(given)
-        with threads_restored():  # set for forked processes once the trainer exists; this process keeps its own
-            super().__init__(
-                LightningModule,
-                LightningDataModule,
-                subclass_mode_model=True,
-                subclass_mode_data=True,
-                save_config_callback=SaveRunConfig,
-                save_config_kwargs={"overwrite": True},
-                parser_class=OneLineErrorParser,
-                trainer_defaults=TRAINER_DEFAULTS,
-                args=null_group_args(resolve_config_args(given)),
-                run=run,
-            )
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: Sequence[str]) -> None:
-        # ``args`` is this command line with its configs expanded, while sys.argv keeps what was typed: Lightning's
-        # DDP launcher starts each further process from sys.argv, which then expands it the same way. (LightningCLI
-        # warns when both are given, a guard against mistakes that does not apply here.)
-        self.config = parser.parse_args(args)
-        self.given_args, self.checkpoint_hparams = list(args), None
-        # An explicit checkpoint's settings are read next (_parse_ckpt_path); a missing file, one that names a type no
-        # checkpoint needs and another task's checkpoint are refused here first, in one line.
-        subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path:
-            task = getattr(self.config[subcommand].get("model"), "class_path", None)
-            self.checkpoint_hparams = checkpoint_settings(subcommand, str(ckpt_path), task)
-
-    def _parse_ckpt_path(self) -> None:
-        """The network settings saved with an explicit ``--ckpt_path``, with the ``--model.*`` keys typed on the
-        command line on top (``moh_lightning.settings``). LightningCLI's own puts the saved ones over everything, so
-        that a ``top_k`` typed for an evaluation was silently the checkpoint's."""
-        hparams = {k: v for k, v in (self.checkpoint_hparams or {}).items() if k != "_instantiator"}
-        self.config_model_keys = {}
-        if not hparams:
-            return
-        subcommand = self.config.subcommand
-        if "_class_path" in hparams:
-            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
-        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-        named_model = self._named_model_keys()
-        typed = typed_model_keys(self.given_args)
-        init_args = self.config[subcommand].model.init_args
-        for key, value in named_model.items():
-            if any(key == name or key.startswith(f"{name}.") for name in typed):
-                init_args[key] = value
-            else:
-                self.config_model_keys[key] = value
-
-    def _named_model_keys(self) -> dict:
-        """The ``model.init_args`` keys this command names in its config files and options, flat, without the
-        defaults. Parsed unvalidated, since a class named without its required arguments (``--trainer.logger
-        CSVLogger``) is whole only with them."""
-        named = self.parser.parse_args(self.given_args, defaults=False, _skip_validation=True)
-        named = named[named.subcommand] if named.get("subcommand") else named
-        return flat(getattr(named.get("model"), "init_args", None) or {})
-
-    def _network_of_init_from(self, config) -> None:
-        """A language model continue-tuned from a transformers model (``init_from``) is that model's network: its
-        shapes and head budget fill each ``arch`` key this command leaves unnamed, so that the run's ``config.yaml``
-        records the network that ran and a partial ``moh`` (``top_k 2`` on a 2-shared source) keeps the source's
-        other keys. A run from a checkpoint has the network saved with it."""
-        model = config.get("model")
-        init_args = getattr(model, "init_args", None)
-        if (self.checkpoint_hparams or init_args is None or init_args.get("arch") is None
-                or not str(getattr(model, "class_path", "")).endswith("LanguageModel")):
-            return
-        source = init_args.get("init_from") or init_args.get("init_from_hf")
-        if not source:
-            return
-        try:
-            network = source_arch(read_source_config(source))
-        except (OSError, ValueError):
-            return  # LanguageModel stops on it in one line
-        named = [key.removeprefix("arch.") for key in self._named_model_keys() if key.startswith("arch.")]
-        dense = init_args.arch.get("moh") is None
-        for key in named:  # a shape named otherwise than the source's, before the budget is checked against it
-            if key in network and not key.startswith("moh.") and init_args.get(f"arch.{key}") != network[key]:
-                raise SystemExit(f"moh: {not_the_sources(key, init_args.get(f'arch.{key}'), network[key], source)}")
-        for key, value in network.items():
-            if not (key in named or any(key.startswith(f"{name}.") for name in named) or
-                    (dense and key.startswith("moh."))):
-                init_args[f"arch.{key}"] = value
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(HeadLoadCallback, "head_load")
-        parser.add_lightning_class_args(StepCheckpoint, "checkpoint")
-        parser.add_lightning_class_args(ExactResumeCallback, "exact_resume")
-        parser.add_lightning_class_args(FiniteLossGuard, "finite_loss_guard")
-        parser.add_lightning_class_args(RunSummary, "run_summary")
-        parser.add_lightning_class_args(MoHThroughputMonitor, "throughput")
-        parser.add_lightning_class_args(PredictionWriter, "predictions")
-        parser.add_lightning_class_args(RunShutdown, "shutdown")
-        parser.add_lightning_class_args(LoggerRuns, "logger_runs")
-        # Sizes flow from the data: a data module that has the attribute sets the model's value when both are
-        # instantiated (a value in the config is overwritten). jsonargparse skips a link whose source attribute the
-        # data module lacks (the folder module without its folder, a text module whose tokenizer cannot load) or
-        # whose target the task's arch lacks (LlamaConfig has no num_classes, ViTConfig no vocab_size). A link must
-        # not name a target that a task combined with that data module lacks: jsonargparse 4.53 would still pass the
-        # value into the task's recorded hyper-parameters, and its checkpoint would not load. So every image task
-        # takes img_size (a pixel-space DiT's input_size) and class_names.
-        for key in LINKED_SIZES:
-            parser.link_arguments(f"data.{key}", f"model.init_args.arch.{key}", apply_on="instantiate")
-        # The class names travel with the checkpoint, for `moh sample --classes` and the per-class views.
-        parser.link_arguments("data.class_names", "model.init_args.class_names", apply_on="instantiate")
-
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        logger = config.trainer.get("logger")
-        init_args = getattr(logger, "init_args", None)
-        if init_args is not None and "name" in init_args and init_args.name is None:
-            init_args.name = self.run_name or "default"
-        # Before `last` is compared with the run it would continue, whose config.yaml holds the source's network.
-        _tokenizer_of_init_from(config)
-        self._network_of_init_from(config)
-        if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
-            self._resume_last(config, init_args)
-        if self.subcommand in EVALUATIONS and init_args is not None:
-            self._beside_its_run(config, init_args)
-        if init_args is not None and not logs_in_folders(logger) and config.trainer.get("default_root_dir") is None:
-            folder = next_version(run_root(logger, self.run_name or "default"))  # a new run of such a logger
-            use_run_folder(config, folder, f"{folder.parent.name}/{folder.name}")
-        accelerator = config.trainer.get("accelerator")
-        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-            raise SystemExit(f"moh: trainer.accelerator={accelerator} but this machine has no CUDA GPU; run the same "
-                             f"config on the CPU with --trainer.accelerator cpu --trainer.devices 2 (DDP over gloo).")
-
-    def _beside_its_run(self, config, logger_args) -> None:
-        """Evaluating a run's checkpoint logs into ``<run>/eval/<subcommand>-<checkpoint>/`` (``-2``, ``-3`` when
-        repeated), beside the run it scores, instead of a new version of the training run's name."""
-        ckpt_path = config.get("ckpt_path")
-        if not ckpt_path or not Path(ckpt_path).is_file():
-            return
-        checkpoints = Path(ckpt_path).resolve().parent
-        if checkpoints.name != "checkpoints":
-            return
-        run, base = checkpoints.parent, f"{self.subcommand}-{Path(ckpt_path).stem}"
-        version, repeat = base, 1
-        while (run / "eval" / version).exists():
-            repeat += 1
-            version = f"{base}-{repeat}"
-        if logs_in_folders(config.trainer.logger):
-            logger_args.save_dir, logger_args.name, logger_args.version = str(run), "eval", version
-        else:  # MLflow nests this run under the checkpoint's own
-            use_run_folder(config, run / "eval" / version, f"{run.parent.name}/{run.name}/eval/{version}",
-                           logger_runs(Path(ckpt_path)))
-        # The run's checkpoint callbacks keep the training folder they saved in; nothing is saved while evaluating.
-        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
-
-    def fit(self, **kwargs) -> None:
-        # SIGTERM, Ctrl-C, a hung rank and a lost node end every process of the run (callbacks/shutdown.py).
-        with run_as_a_whole(self.trainer):
-            self.trainer.fit(**kwargs)
-
-    def before_test(self) -> None:
-        if not is_overridden("test_step", self.model):
-            raise SystemExit(f"moh test: {type(self.model).__name__} has no test split to score; `moh validate` "
-                             f"scores its validation split.")
-
-    def after_validate(self) -> None:
-        self._say_where_it_wrote()
-
-    def after_test(self) -> None:
-        self._say_where_it_wrote()
-
-    def _say_where_it_wrote(self) -> None:
-        """One line naming the folder that holds this evaluation's metrics and head load (none without a logger)."""
-        folder = run_folder(self.trainer)
-        if folder is not None and self.trainer.is_global_zero:
-            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
-            print(f"moh {self.subcommand}: metrics and head load in {shown}")
-
-    def _resume_last(self, config, logger_args) -> None:
-        """Points ``ckpt_path`` at this run name's newest checkpoint that loads, if any, and the logger at that run
-        (TensorBoard's and CSV's version folder; the MLflow or W&B run kept in the checkpoint, in its folder)."""
-        found = latest_loadable_checkpoint(run_root(config.trainer.logger, self.run_name or "default"))
-        if found is None:
-            config.ckpt_path = None  # the first start of a run that will be resumed later: start fresh
-            return
-        version_dir, checkpoint = found
-        if logs_in_folders(config.trainer.logger):
-            logger_args.version = int(version_dir.name.removeprefix("version_"))
-        else:  # the same MLflow or W&B run, kept in the checkpoint, in the same folder
-            use_run_folder(config, version_dir, f"{version_dir.parent.name}/{version_dir.name}",
-                           logger_runs(checkpoint), continues=True)
-        current = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False))
-        changes = check_resumable(version_dir, current)
-        if changes:
-            record_changes(version_dir, checkpoint, changes)
-        config.ckpt_path = str(checkpoint)
-
-    def before_predict(self) -> None:
-        """``moh predict`` where the task or the data cannot predict (no images or prompts given, a diffusion model)
-        stops in one line saying what to do, before the trainer starts: their ``predict_problem``."""
-        for part in (self.model, self.datamodule):
-            problem = part.predict_problem() if hasattr(part, "predict_problem") else None
-            if problem:
-                raise SystemExit(f"moh predict: {problem}")
-
-    def instantiate_trainer(self, **kwargs) -> Trainer:
-        # The bar Lightning adds when none is configured becomes the suite's, which labels unlimited epochs truthfully.
-        # Lightning adds its own callbacks to the configured list itself, so that is copied first.
-        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        configured = config.trainer.get("callbacks") or []
-        configured = list(configured) if isinstance(configured, list) else [configured]
-        trainer = super().instantiate_trainer(**kwargs)
-        keep_csv_rows(trainer.loggers)  # before Lightning's CSV writer deletes a continued run's rows
-        for i, callback in enumerate(trainer.callbacks):
-            if type(callback) is RichProgressBar and not any(callback is given for given in configured):
-                trainer.callbacks[i] = MoHRichProgressBar()
-        return trainer
-
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
-            raise SystemExit(f"moh: {one_line_error(str(error))}") from None
-        one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
-        if self.checkpoint_hparams and isinstance(self.model, LightningModule):
-            # After the data module passed its sizes on, before anything is written.
-            line = compare_with_checkpoint(self.subcommand, str(self.config[self.subcommand].ckpt_path),
-                                           self.checkpoint_hparams, self.model.hparams, self.config_model_keys)
-            if line:
-                print(line, file=sys.stderr)
-        if self.subcommand and isinstance(self.model, MoHTask):
-            self.model.restores_checkpoint = bool(self.config[self.subcommand].get("ckpt_path"))
-
-
-def _tokenizer_of_init_from(config) -> None:
-    """A language model continue-tuned from a pretrained one (``init_from``) reads that model's tokenizer unless the
-    data module names another: the byte default would feed it ids its embedding never learnt."""
-    model, data = config.get("model"), config.get("data")
-    model_args, data_args = getattr(model, "init_args", None), getattr(data, "init_args", None)
-    if model_args is None or data_args is None or not str(getattr(model, "class_path", "")).endswith("LanguageModel"):
-        return
-    init_from = model_args.get("init_from")
-    if init_from and data_args.get("tokenizer") == "byte":
-        data_args.tokenizer = init_from
-        print(f"moh: data.init_args.tokenizer={init_from} (init_from's own; --data.init_args.tokenizer gives another)",
-              file=sys.stderr)
-
-
-def one_thread_per_forked_cpu_process(trainer) -> None:
-    """CPU processes forked from this one (``ddp_fork``, ``ddp_notebook``) run one thread each, with a warning.
-
-    This process has run OpenMP threads (building the model), and GNU OpenMP is not fork-safe: a forked process that
-    runs more than one thread deadlocks at its first parallel operation, DDP's first broadcast, and never says why.
-    Lightning gives each process ``cores / processes`` threads unless ``OMP_NUM_THREADS`` is set, so it is set here.
-    """
-    launcher = trainer.strategy.launcher
-    forks = launcher is not None and launcher.is_interactive_compatible and trainer.num_devices > 1
-    if not forks or not isinstance(trainer.accelerator, CPUAccelerator):
-        return
-    if os.environ.get("OMP_NUM_THREADS") != "1":
-        print(f"moh: the {trainer.num_devices} CPU processes forked by trainer.strategy run one thread each (OpenMP "
-              "deadlocks in a process forked from a threaded one); trainer.strategy=ddp starts them afresh, "
-              "with OMP_NUM_THREADS threads each.", file=sys.stderr)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-
-
-@contextmanager
-def threads_restored() -> Iterator[None]:
-    """Puts this process's torch thread count and ``OMP_NUM_THREADS`` back as they were on the way out."""
-    threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        if variable is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = variable
+def unknown_command(name: str) -> str:
+    """One line naming the commands and the one nearest to the mistyped ``name``."""
+    nearest = difflib.get_close_matches(name, COMMANDS, n=1)
+    hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
+    return f"moh: unknown command {name!r}{hint}; the commands are {', '.join(COMMANDS)}; `moh --help` says more."
 
 
 # Messages a user of `moh` can do nothing about, each silenced by its text and the module that emits it:
@@ -529,56 +121,11 @@ class _DropMatching(logging.Filter):
         return re.match(self.pattern, str(record.msg)) is None
 
 
-def _tool(name: str) -> Callable:
-    module, _, function = TOOLS[name].partition(":")
-    return getattr(importlib.import_module(module), function)
-
-
-def commands() -> list[str]:
-    """Every ``moh`` command: the Trainer's (LightningCLI's subcommands), then the tools."""
-    return [*LightningCLI.subcommands(), *TOOLS]
-
-
-def _first_sentence(doc: str | None) -> str:
-    sentence = " ".join((doc or "").strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".")
-    return sentence.replace("``", "`") + "."
-
-
-def _tool_doc(name: str) -> str | None:
-    """The tool function's docstring, read from its module's source: importing the tools (lm-eval, Ray, torch's
-    benchmark module) would add seconds and third-party warnings to ``moh --help``."""
-    module, _, function = TOOLS[name].partition(":")
-    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-    return next(ast.get_docstring(node) for node in tree.body
-                if isinstance(node, ast.FunctionDef) and node.name == function)
-
-
-def commands_help() -> str:
-    """What ``moh --help`` prints: every command with the first sentence of its docstring, the Trainer method's or
-    the tool function's."""
-    loops = {name: getattr(Trainer, name).__doc__ for name in LightningCLI.subcommands()}
-    tools = {name: _tool_doc(name) for name in TOOLS}
-    width = max(map(len, commands()))
-    return "\n".join([
-        "usage: moh <command> [--config NAME] [--key value ...]", "",
-        "Trainer loops (LightningCLI; a --config name resolves against the shipped cli_configs/):",
-        *(f"  {name:<{width}}  {_first_sentence(doc)}" for name, doc in loops.items()), "", "Tools:",
-        *(f"  {name:<{width}}  {_first_sentence(doc)}" for name, doc in tools.items()), "",
-        "`moh <command> --help` lists the options of a command."])
-
-
-def unknown_command(name: str) -> str:
-    """One line naming the commands and the one nearest to the mistyped ``name``."""
-    nearest = difflib.get_close_matches(name, commands(), n=1)
-    hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
-    return f"moh: unknown command {name!r}{hint}; the commands are {', '.join(commands())}; `moh --help` says more."
-
-
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python.
 
-    ``moh``, ``moh -h`` and ``moh --help`` list the commands; an unknown command and a checkpoint refused for what its
-    pickle names (resumed, validated or read by a tool) stop in one line.
+    ``moh``, ``moh -h`` and ``moh --help`` list the commands; an unknown command, a user's mistake (``UsageError``), a
+    checkpoint refused for what its pickle names and an extra that is not installed stop in one line.
     """
     given = list(sys.argv[1:] if args is None else args)
     if given[:1] in (["-h"], ["--help"]):
@@ -586,16 +133,33 @@ def main(args: Sequence[str] | None = None) -> None:
         return
     if not given:
         raise SystemExit(commands_help())
-    if not given[0].startswith("-") and given[0] not in commands():
+    if not given[0].startswith("-") and given[0] not in COMMANDS:
         raise SystemExit(unknown_command(given[0]))
     quiet_third_party()
     try:
         if given[0] in TOOLS:
-            CLI(_tool(given[0]), args=resolve_config_args(given[1:]), as_positional=False)
-            return
-        MoHLightningCLI(args=args)
-    except (UnsafeCheckpointError, UsageError) as error:
+            from jsonargparse import CLI
+
+            from moh_lightning.cli_args import resolve_config_args
+
+            CLI(target(TOOLS[given[0]]), args=resolve_config_args(given[1:]), as_positional=False)
+        else:
+            from moh_lightning.trainer_cli import MoHLightningCLI
+
+            MoHLightningCLI(args=args)  # None: Lightning's DDP launcher starts each further process from sys.argv
+    except UsageError as error:
         raise SystemExit(f"moh: {error}") from None
+    except ImportError as error:
+        extra = missing_extra(error)
+        if extra is None:
+            raise
+        raise SystemExit(f"moh {given[0]}: {extra}") from None
+    except Exception as error:
+        from moh_lightning.serialization import UnsafeCheckpointError
+
+        if isinstance(error, UnsafeCheckpointError):
+            raise SystemExit(f"moh: {error}") from None
+        raise
 
 
 if __name__ == "__main__":

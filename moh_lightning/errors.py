@@ -5,6 +5,8 @@ the built-in one, and tests that expect it, see no difference. The message names
 """
 from __future__ import annotations
 
+import re
+
 
 class UsageError(Exception):
     """A problem with the user's input, fully described by its message."""
@@ -22,4 +24,31 @@ class MissingExtraError(UsageError, ImportError):
     """A config asks for what an optional extra of the package installs (``pip install 'moh-lightning[gpu]'``)."""
 
 
-__all__ = ["BadValueError", "MissingDataError", "MissingExtraError", "UsageError"]
+# The import name of each package an extra installs (pyproject.toml's optional dependencies) -> that extra.
+EXTRAS = {"transformers": "hf", "tokenizers": "hf", "accelerate": "hf", "datasets": "hf", "lm_eval": "lm-eval",
+          "ray": "sweep", "scipy": "sweep", "wandb": "loggers", "mlflow": "loggers", "liger_kernel": "gpu"}
+
+
+def install_line(extra: str) -> str:
+    return f"pip install 'moh-lightning[{extra}]'"
+
+
+def missing_extra(error: ImportError) -> MissingExtraError | None:
+    """The one-line error for an import that failed because an extra is not installed, None for any other failure.
+
+    Reads the module's name, or the package a Lightning logger names in its own message ("Requirement 'wandb>=0.12'
+    not met"), so an extra missing anywhere below a command is caught at the command's one boundary.
+    """
+    name = error.name or ""
+    if not name:
+        found = re.search(r"Requirement '([\w.-]+)|No module named '([\w.]+)'", str(error))
+        name = next((group for group in found.groups() if group), "") if found else ""
+    module = name.split(".")[0].replace("-", "_")
+    extra = EXTRAS.get(module)
+    if extra is None or isinstance(error, MissingExtraError):
+        return None
+    return MissingExtraError(f"this needs {module}, which the '{extra}' extra installs: {install_line(extra)}")
+
+
+__all__ = ["EXTRAS", "BadValueError", "MissingDataError", "MissingExtraError", "UsageError", "install_line",
+           "missing_extra"]

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from lightning.pytorch import Callback
 from ray import tune
 
-from moh_lightning.callbacks import lightning_compat as compat
+from moh_lightning import lightning_compat as compat
 from moh_lightning.cli import main
 from moh_lightning.configs import resolve_config
 from moh_lightning.sweep_report import (

@@ -52,8 +52,8 @@ def _flat(prefix: str, value, out: dict) -> dict:
 
 def settings(config: str) -> dict:
     """The settings of one shipped config, its model built on the meta device (no memory, no initialisation)."""
-    from moh_lightning.cli import MoHLightningCLI
     from moh_lightning.layers import MoHHeads
+    from moh_lightning.trainer_cli import MoHLightningCLI
 
     args = ["--config", config, *REQUIRED.get(config.rsplit("_", 1)[0], []),
             "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto"]

@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMA
 
+from moh_lightning import lightning_compat as compat
+
 
 class EMAWeightAveraging(LightningEMA):
     """Lightning's ``EMAWeightAveraging`` (same arguments, schedule and checkpoint state) with a fused update that
@@ -27,14 +29,15 @@ class EMAWeightAveraging(LightningEMA):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step_idx = trainer.global_step - 1  # zero-based, as Lightning's own hook passes it
-        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
-            self._update(pl_module, first=self._latest_update_step == 0)
-            self._latest_update_step = trainer.global_step
+        latest = compat.latest_update_step(self)
+        if trainer.global_step > latest and self.should_update(step_idx=step_idx):
+            self._update(pl_module, first=latest == 0)
+            compat.set_latest_update_step(self, trainer.global_step)
 
     @torch.no_grad()
     def _update(self, pl_module: LightningModule, first: bool) -> None:
-        average = self._average_model
-        if self._use_buffers:
+        average = compat.averaged_model(self)
+        if compat.averages_buffers(self):
             pairs = list(zip(itertools.chain(average.module.parameters(), average.module.buffers()),
                              itertools.chain(pl_module.parameters(), pl_module.buffers()), strict=True))
         else:  # the buffers follow the model's, as AveragedModel's own update has them

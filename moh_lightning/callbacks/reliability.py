@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from moh_lightning.callbacks import lightning_compat as compat
+from moh_lightning import lightning_compat as compat
 from moh_lightning.callbacks.shutdown import newest_checkpoint, say, stop_signal
 from moh_lightning.data.loaders import saved_worker_count
 

@@ -43,7 +43,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.constants import default_pg_timeout
 
-from moh_lightning.callbacks import lightning_compat as compat
+from moh_lightning import lightning_compat as compat
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A stop signal this soon after the first is the same request: a terminal's Ctrl-C reaches every process of the run,

@@ -1,4 +1,4 @@
-"""Every private timm name the suite uses, in one place, as ``callbacks/lightning_compat.py`` does for Lightning.
+"""Every private timm name the suite uses, in one place, as ``lightning_compat.py`` does for Lightning.
 
 timm's own models take ``feature_take_indices`` from the private ``timm.models._features``; TransNeXt's
 ``forward_intermediates`` follows the same contract, so it uses the same function rather than a copy.

@@ -19,6 +19,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.optim import Optimizer
 
+from moh_lightning import lightning_compat as compat
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.layers.moh_attention import checkpoint_blocks, compile_blocks
 
@@ -123,9 +124,9 @@ class MoHTask(LightningModule):
             return
         if self.activation_checkpointing:
             checkpoint_blocks(self.model)
-        if self._trainer is None or self._model_compiled:
+        if compat.attached_trainer(self) is None or self._model_compiled:
             return
-        if self.compile_model == "auto" and self._trainer.strategy.root_device.type == "cuda":
+        if self.compile_model == "auto" and self.trainer.strategy.root_device.type == "cuda":
             blocks = compile_blocks(self.model, **self.compile_kwargs)
             rank_zero_info(f"moh: compile auto: the {blocks} blocks compiled in place (regional compilation), one "
                            f"graph per distinct block; --model.init_args.compile false runs eagerly.")
@@ -164,7 +165,8 @@ class MoHTask(LightningModule):
         None before the model is built, and under FSDP, where the summary's forward on rank 0 alone would wait for
         the other ranks' shards.
         """
-        if self.model is None or self._trainer is not None and isinstance(self._trainer.strategy, FSDPStrategy):
+        trainer = compat.attached_trainer(self)
+        if self.model is None or trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
             return None
         return self.example_input()
 

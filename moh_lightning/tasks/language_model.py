@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from moh_lightning import lightning_compat as compat
 from moh_lightning.data.tokenizers import BYTE_TOKENIZER
 from moh_lightning.errors import BadValueError
 from moh_lightning.layers.moh_config import MoHConfig
@@ -161,7 +162,7 @@ class LanguageModel(MoHTask):
         return self.model(idx)
 
     def example_input(self) -> torch.Tensor:
-        data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        data = getattr(compat.attached_trainer(self), "datamodule", None)
         length = self.model.block_size
         if data is not None and hasattr(data, "hparams") and "seq_len" in data.hparams:
             length = min(length, data.hparams.seq_len)  # a pretrained model's context can be far longer than training's
@@ -191,7 +192,7 @@ class LanguageModel(MoHTask):
             else:
                 # A fit, validation or test without a checkpoint starts from the pretrained weights (so `moh validate`
                 # scores the source); a resumed run, an evaluated checkpoint and load_from_checkpoint restore theirs.
-                fresh = self.init_from and self._trainer is not None and not self.restores_checkpoint
+                fresh = self.init_from and compat.attached_trainer(self) is not None and not self.restores_checkpoint
                 self.model = build_hf_causal(self.hf_config, self.config.moh, self.init_from if fresh else None)
         super().configure_model()  # activation checkpointing / torch.compile (MoHTask), once
 

@@ -1,14 +1,13 @@
-"""`moh --help` lists every command, Trainer loops and tools, each with one line; a mistyped command is one line naming
-the commands and the nearest."""
+"""`moh --help` lists every command, Trainer loops and tools, each with one line, without importing any of them; a
+mistyped command is one line naming the commands and the nearest."""
 import inspect
 import subprocess
 import sys
 
 import pytest
+from lightning.pytorch.cli import LightningCLI
 
-from moh_lightning.cli import TOOLS, _first_sentence, _tool, _tool_doc, main
-
-COMMANDS = ["fit", "validate", "test", "predict", *TOOLS]
+from moh_lightning.cli import COMMANDS, LOOPS, TOOLS, main, target
 
 
 @pytest.mark.parametrize("args", [["--help"], ["-h"], []])
@@ -22,7 +21,7 @@ def test_help_and_no_command_list_every_command_with_a_line_each(args, capsys):
         assert exit_info.value.code not in (0, None)
         out = str(exit_info.value.code)
     described = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
-    assert list(described) == COMMANDS
+    assert list(described) == list(COMMANDS)
     assert all(len(line.split()) > 2 and line.endswith(".") for line in described.values())
 
 
@@ -34,10 +33,24 @@ def test_unknown_command_is_one_line_naming_the_commands_and_the_nearest():
     assert all(command in message for command in COMMANDS)
 
 
-def test_help_reads_each_tools_own_docstring_without_importing_the_tools():
-    assert {name: _tool_doc(name) for name in TOOLS} == {name: inspect.getdoc(_tool(name)) for name in TOOLS}
-    modules = {module.partition(":")[0] for module in TOOLS.values()}
+def _first_sentence(doc: str) -> str:
+    sentence = " ".join(doc.strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".")
+    return sentence.replace("``", "`") + "."
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_each_line_is_the_first_sentence_of_what_runs_the_command(name):
+    assert COMMANDS[name].summary == _first_sentence(inspect.getdoc(target(COMMANDS[name])))
+
+
+def test_the_loops_are_lightning_clis_subcommands():
+    assert list(LOOPS) == list(LightningCLI.subcommands())
+
+
+def test_help_imports_neither_torch_nor_a_command():
+    modules = sorted({command.target.partition(":")[0] for command in COMMANDS.values()} | {"torch"})
     shown = subprocess.run([sys.executable, "-c", "import sys; from moh_lightning.cli import main; main(['--help']); "
-                            f"print(sorted({modules} & set(sys.modules)))"], capture_output=True, text=True, check=True)
+                            f"print(sorted(set({modules}) & set(sys.modules)))"], capture_output=True, text=True,
+                           check=True)
     assert shown.stdout.splitlines()[-1] == "[]" and shown.stderr == ""
-    assert all(_first_sentence(_tool_doc(name)) in shown.stdout for name in TOOLS)
+    assert all(command.summary in shown.stdout for command in TOOLS.values())

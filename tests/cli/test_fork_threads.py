@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from moh_lightning.cli import one_thread_per_forked_cpu_process, threads_restored
+from moh_lightning.trainer_cli import one_thread_per_forked_cpu_process, threads_restored
 
 
 @pytest.mark.parametrize("strategy", ["ddp_fork", "ddp"])

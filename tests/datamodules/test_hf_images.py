@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from moh_lightning.cli import MoHLightningCLI
 from moh_lightning.data.hf_images import HFImageDataModule
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 
 def test_local_imagefolder_through_datasets(tmp_path, write_image_folder):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from moh_lightning.cli import MoHLightningCLI
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 
 def _cli(*args: str) -> MoHLightningCLI:

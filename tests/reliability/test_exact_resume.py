@@ -41,8 +41,9 @@ from test_checkpoint_files import _load, _scramble, _truncate
 
 from moh_lightning.callbacks import StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
-from moh_lightning.cli import MoHLightningCLI, main
+from moh_lightning.cli import main
 from moh_lightning.configs import resolve_config
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 pytestmark = pytest.mark.slow
 

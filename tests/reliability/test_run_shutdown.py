@@ -30,7 +30,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from moh_lightning.callbacks import RunShutdown
 from moh_lightning.callbacks import shutdown as watchdog
-from moh_lightning.callbacks.lightning_compat import collective_timeout
+from moh_lightning.lightning_compat import collective_timeout
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

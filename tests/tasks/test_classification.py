@@ -9,13 +9,14 @@ import yaml
 from conftest import class_of
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from moh_lightning.cli import MoHLightningCLI, main
+from moh_lightning.cli import main
 from moh_lightning.configs import config_dir, resolve_config
 from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, load_mnist_5k
 from moh_lightning.layers import activated_head_fraction
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.vit import ViTConfig, create_vit
 from moh_lightning.tasks.classification import ImageClassifier
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 VIT_CONFIGS = sorted(p.name for p in config_dir().glob("vit_*.yaml"))
 SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moh_lightning.callbacks import lightning_compat as compat
+from moh_lightning import lightning_compat as compat
 from moh_lightning.cli import main
 from moh_lightning.layers import MoHHeads
 

@@ -8,11 +8,12 @@ import torch
 from conftest import run_checkpoints
 from lightning.pytorch import Trainer
 
-from moh_lightning.cli import MoHLightningCLI, main
+from moh_lightning.cli import main
 from moh_lightning.data.images import MNISTDataModule
 from moh_lightning.models.vit import ViTConfig, create_vit, load_vit_weights
 from moh_lightning.tasks import ImageClassifier
 from moh_lightning.tasks.checkpoints import write_checkpoint
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 TINY = dict(img_size=28, patch_size=7, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0,
             global_pool="avg", drop_path_rate=0.0)

@@ -13,7 +13,6 @@ from conftest import class_of, printed_config
 from tiny_models import TINY_LLM_BUDGETS, tiny_llama_config
 from transformers import ByT5Tokenizer
 
-from moh_lightning.callbacks.lightning_compat import MoHRichProgressBar
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import (
     EvenChunks,
@@ -25,6 +24,7 @@ from moh_lightning.data.text import (
 from moh_lightning.data.tokenizers import encode, load_tokenizer
 from moh_lightning.layers import activated_head_fraction, pop_load_balance_loss
 from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.lightning_compat import MoHRichProgressBar
 from moh_lightning.models.llama import LlamaConfig, MoHLlama, sample
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import LanguageModel, warmup_cosine

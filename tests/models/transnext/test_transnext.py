@@ -169,7 +169,7 @@ def test_classifier_recipe_on_transnext():
 
 
 def test_command_line_overrides_keep_a_transnext():
-    from moh_lightning.cli import MoHLightningCLI
+    from moh_lightning.trainer_cli import MoHLightningCLI
 
     cli = MoHLightningCLI(args=["--config", "moh_transnext_mnist_75.yaml", "--model.init_args.arch.moh.top_k=[0,0,2,2]",
                                 "--trainer.logger=false"], run=False)
@@ -262,7 +262,7 @@ def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_pat
 
 @pytest.mark.slow
 def test_named_transnext_configs_are_the_shipped_experiments():
-    from moh_lightning.cli import MoHLightningCLI
+    from moh_lightning.trainer_cli import MoHLightningCLI
 
     for name, config in [("moh_transnext_small_75", "moh_transnext_small_75.yaml"),
                          ("moh_transnext_base_50", "moh_transnext_base_50.yaml"),

@@ -184,7 +184,7 @@ def test_moh_validate_with_the_authors_weights_reports_top1(tmp_path, run_dir, w
     fields = _tiny_overrides()
     arch = [f"--model.init_args.arch.{key}={value}" for key, value in fields.items()
             if key not in ("moh", "num_classes")]
-    from moh_lightning.cli import MoHLightningCLI
+    from moh_lightning.trainer_cli import MoHLightningCLI
 
     cli = MoHLightningCLI(args=[
         "validate", "--config", "moh_transnext_small_75.yaml", *arch, "--model.init_args.arch.num_classes=2",

@@ -1,11 +1,12 @@
-"""Every use of Lightning's private API, in one place, behind functions named for what they stand for.
+"""Every use of Lightning's and jsonargparse's private API, in one place, behind names for what they stand for.
 
 The reliability callbacks need a few things Lightning does not expose publicly (when a validation follows a
-batch, putting a resumed train loader back at its position, ModelCheckpoint's own saving steps), and the progress
-bar a fix of its epoch label. Private names
-may change in any Lightning release, so they are all here and listed in ``PRIVATE_LIGHTNING_NAMES``;
-``tests/callbacks/test_lightning_compat.py`` fails when the installed Lightning no longer has one of them, and
-pyproject.toml caps Lightning at the versions that test has passed on.
+batch, putting a resumed train loader back at its position, ModelCheckpoint's own saving steps), the progress
+bar a fix of its epoch label, the EMA its average's state, and ``moh``'s LightningCLI the step that reads an explicit
+checkpoint's settings and an unvalidated parse. Private names may change in any release, so they are all here and
+listed in ``PRIVATE_NAMES``; ``tests/callbacks/test_lightning_compat.py`` fails when the installed Lightning or
+jsonargparse no longer has one of them or a module elsewhere uses one, and pyproject.toml caps Lightning at the
+versions that test has passed on.
 """
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, WeightAveraging
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.call import _interrupt
 
-# Import path of every private Lightning name used below: ``module.function`` or ``module.Class.attribute``
-# (attributes that Lightning sets on instances included).
-PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
+# Import path of every private name used below: ``module.function`` or ``module.Class.attribute`` (attributes set on
+# instances included; a keyword-only parameter as ``module.Class.method._parameter``).
+PRIVATE_NAMES: tuple[str, ...] = (
     "lightning.fabric.utilities.data._set_sampler_epoch",
     "lightning.pytorch.loops.fit_loop._FitLoop._data_fetcher",
     "lightning.pytorch.loops.fit_loop._FitLoop._combined_loader",
@@ -42,6 +45,13 @@ PRIVATE_LIGHTNING_NAMES: tuple[str, ...] = (
     "lightning.pytorch.trainer.call._interrupt",
     "lightning.pytorch.strategies.ddp.DDPStrategy._timeout",
     "lightning.pytorch.trainer.trainer.Trainer._logger_connector",
+    "lightning.pytorch.cli.LightningCLI._parse_ckpt_path",
+    "lightning.pytorch.cli.LightningCLI._parser",
+    "lightning.pytorch.core.module.LightningModule._trainer",
+    "lightning.pytorch.callbacks.weight_averaging.WeightAveraging._average_model",
+    "lightning.pytorch.callbacks.weight_averaging.WeightAveraging._latest_update_step",
+    "lightning.pytorch.callbacks.weight_averaging.WeightAveraging._use_buffers",
+    "jsonargparse.ArgumentParser.parse_args._skip_validation",
 )
 
 
@@ -147,6 +157,53 @@ def collective_timeout(strategy: Strategy) -> timedelta | None:
 def set_collective_timeout(strategy: Strategy, timeout: timedelta) -> None:
     """Sets it; the process group is created with it when the strategy sets up (after launching)."""
     strategy._timeout = timeout
+
+
+class CheckpointSettingsCLI(LightningCLI):
+    """LightningCLI whose reading of an explicit ``ckpt_path``'s saved settings into the config (its private
+    ``_parse_ckpt_path``, run after parsing and before the classes are built) is ``checkpoint_settings_into_config``,
+    for a subclass to override."""
+
+    def checkpoint_settings_into_config(self) -> None:
+        super()._parse_ckpt_path()
+
+    def _parse_ckpt_path(self) -> None:
+        self.checkpoint_settings_into_config()
+
+
+def subcommand_parser(cli: LightningCLI, subcommand: str | None) -> LightningArgumentParser:
+    """The parser of one subcommand (``fit``), which dumps that subcommand's config."""
+    return cli._parser(subcommand)
+
+
+def attached_trainer(module: LightningModule) -> Trainer | None:
+    """The Trainer a LightningModule is attached to, None when it is not (``module.trainer`` raises then)."""
+    return module._trainer
+
+
+def parse_unvalidated(parser: LightningArgumentParser, args: list[str]):
+    """What ``args`` name, without the defaults and unvalidated: a class named without its required arguments
+    (``--trainer.logger CSVLogger``) is whole only with them."""
+    return parser.parse_args(args, defaults=False, _skip_validation=True)
+
+
+def averaged_model(callback: WeightAveraging) -> torch.nn.Module:
+    """The callback's ``AveragedModel``: the average in ``.module``, its update count in ``.n_averaged``."""
+    return callback._average_model
+
+
+def averages_buffers(callback: WeightAveraging) -> bool:
+    """Whether the buffers are averaged with the parameters (``use_buffers``) rather than copied."""
+    return callback._use_buffers
+
+
+def latest_update_step(callback: WeightAveraging) -> int:
+    """The global step of the last update, 0 before the first; kept in the checkpoint."""
+    return callback._latest_update_step
+
+
+def set_latest_update_step(callback: WeightAveraging, step: int) -> None:
+    callback._latest_update_step = step
 
 
 class MoHRichProgressBar(RichProgressBar):

@@ -1,7 +1,8 @@
-"""The private Lightning names moh_lightning relies on still exist, and only lightning_compat.py uses them.
+"""The private Lightning and jsonargparse names moh_lightning relies on still exist, and only lightning_compat.py uses
+them.
 
-When this fails after a Lightning upgrade, a private name listed in
-``moh_lightning.callbacks.lightning_compat.PRIVATE_LIGHTNING_NAMES`` was renamed or removed: adapt the function
+When this fails after an upgrade, a private name listed in
+``moh_lightning.lightning_compat.PRIVATE_NAMES`` was renamed or removed: adapt the function
 of lightning_compat.py that uses it (and the upper bound on lightning in pyproject.toml).
 """
 from __future__ import annotations
@@ -12,13 +13,14 @@ import inspect
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.strategies import DDPStrategy
 
-from moh_lightning.callbacks import lightning_compat, reliability, shutdown
-from moh_lightning.callbacks.lightning_compat import PRIVATE_LIGHTNING_NAMES, MoHRichProgressBar
-from moh_lightning.cli import MoHLightningCLI
+from moh_lightning import lightning_compat
+from moh_lightning.callbacks import reliability, shutdown
+from moh_lightning.lightning_compat import PRIVATE_NAMES, MoHRichProgressBar
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 
 def _resolve_owner(path: str) -> tuple[object, str]:
@@ -43,13 +45,17 @@ def instances(tmp_path_factory) -> list[object]:
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, max_steps=1)
     return [trainer, trainer.fit_loop, trainer.fit_loop.epoch_loop,
-            ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt")), DDPStrategy()]
+            ModelCheckpoint(dirpath=tmp_path_factory.mktemp("ckpt")), DDPStrategy(), EMAWeightAveraging(),
+            LightningModule()]
 
 
-@pytest.mark.parametrize("path", PRIVATE_LIGHTNING_NAMES)
+@pytest.mark.parametrize("path", PRIVATE_NAMES)
 def test_private_lightning_name_exists(path: str, instances: list[object]) -> None:
     owner, name = _resolve_owner(path)
     if hasattr(owner, name):
+        return
+    if inspect.isfunction(owner):  # a private keyword of a public method
+        assert name in inspect.signature(owner).parameters, f"{path}: {owner.__qualname__} takes no {name!r}"
         return
     # Attributes Lightning sets in __init__ exist on instances only.
     assert inspect.isclass(owner), f"{path}: {owner!r} has no {name!r}"
@@ -71,14 +77,57 @@ def _private_names_used(module) -> set[str]:
 
 
 def test_every_private_name_used_by_the_compat_module_is_listed() -> None:
-    listed = {path.rsplit(".", 1)[1] for path in PRIVATE_LIGHTNING_NAMES}
+    listed = {path.rsplit(".", 1)[1] for path in PRIVATE_NAMES}
     unlisted = _private_names_used(lightning_compat) - listed
-    assert not unlisted, f"lightning_compat.py uses {sorted(unlisted)}: list them in PRIVATE_LIGHTNING_NAMES"
+    assert not unlisted, f"lightning_compat.py uses {sorted(unlisted)}: list them in PRIVATE_NAMES"
+
+
+def _private_names_defined(folder: Path) -> set[str]:
+    """The private names a package defines: its functions, classes, attributes it assigns and keywords it takes."""
+    found = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(errors="replace"))):
+            if isinstance(node, ast.ClassDef):
+                found.add(node.name)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.update([node.name, *(a.arg for a in [*node.args.args, *node.args.kwonlyargs])])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for part in ast.walk(target):
+                        found.add(part.attr if isinstance(part, ast.Attribute) else getattr(part, "id", ""))
+    return {n for n in found if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_names_read(path: Path) -> set[str]:
+    """Private names a module reads as attributes, passes as keywords or imports."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_but_the_compat_module_uses_a_private_lightning_or_jsonargparse_name() -> None:
+    """A private name Lightning or jsonargparse defines and the suite does not, read anywhere in the package outside
+    lightning_compat.py, is a private use that no test would see change."""
+    import jsonargparse
+    import lightning
+
+    package = Path(lightning_compat.__file__).parent
+    ours = _private_names_defined(package)
+    theirs = set().union(*(_private_names_defined(Path(m.__file__).parent) for m in (lightning, jsonargparse)))
+    found = {f"{path.relative_to(package)}: {name}" for path in package.rglob("*.py")
+             if path.name != "lightning_compat.py" for name in (_private_names_read(path) & theirs) - ours}
+    assert found == set(), "use these through moh_lightning/lightning_compat.py"
 
 
 @pytest.mark.parametrize("module", [reliability, shutdown], ids=lambda module: module.__name__.rpartition(".")[2])
 def test_the_reliability_callbacks_use_no_private_lightning_name(module) -> None:
-    listed = {path.rsplit(".", 1)[1] for path in PRIVATE_LIGHTNING_NAMES}
+    listed = {path.rsplit(".", 1)[1] for path in PRIVATE_NAMES}
     used = _private_names_used(module) & listed
     assert not used, f"{module.__name__} uses {sorted(used)}: go through lightning_compat"
     tree = ast.parse(Path(module.__file__).read_text())
