@@ -23,8 +23,8 @@ from torch import nn
 from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
 from moh_lightning.layers.execution import execution_mode
 from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.decoding import decode
 from moh_lightning.models.hf_causal import hf_moh
-from moh_lightning.models.llama.network import decode
 
 #: ``config.json`` ``model_type`` of the folders this suite writes: any family (``hf_moh``) and MoH-LLaMA.
 MOH_MODEL_TYPES = ("moh", "moh_llama")
