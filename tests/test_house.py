@@ -17,7 +17,7 @@ PACKAGE = Path(moh_lightning.__file__).parent
 # layers <- models (and the diffusion maths, the data modules) <- tasks <- tools and callbacks <- cli (and the sweep,
 # which drives the CLI, with its report).
 FLOORS = {"configs": 0, "errors": 0, "serialization": 0, "weights": 0, "lightning_compat": 0, "cli_errors": 0,
-          "cli_args": 1, "layers": 0, "models": 1, "diffusion": 1, "data": 1, "metrics": 1,
+          "hf_configs": 0, "cli_args": 1, "layers": 0, "models": 1, "diffusion": 1, "data": 1, "metrics": 1,
           "tasks": 2, "callbacks": 3, "tools": 3, "checkpoint_io": 3, "runs": 4, "settings": 4, "trainer_cli": 4,
           "cli_init_from": 4, "sweep": 4, "sweep_report": 4, "cli": 4}
 
@@ -120,11 +120,13 @@ def test_no_modules_import_each_other_in_a_circle():
     assert _circles(_module_graph()) == []
 
 
-FAMILIES = ("vit", "transnext", "dit", "llama")
+# Every sub-package of models/ is a family; its modules (``registry``, ``decoding``) are what families share.
+FAMILIES = tuple(sorted(path.parent.name for path in (PACKAGE / "models").glob("*/__init__.py")))
 
 
 def test_model_families_stand_apart():
-    """A model family imports no other family; what they share (``models/registry.py``) stands beside them."""
+    """A model family imports no other family; what they share stands beside them as a module of ``models``."""
+    assert {"vit", "transnext", "dit", "llama", "hf_causal"} <= set(FAMILIES)
     crossing = []
     for name, edges in _module_graph().items():
         family = name.split(".")[2] if name.startswith("moh_lightning.models.") else None
@@ -133,6 +135,15 @@ def test_model_families_stand_apart():
                          if other.startswith("moh_lightning.models.") and other.split(".")[2] in FAMILIES
                          and other.split(".")[2] != family]
     assert crossing == []
+
+
+def test_nothing_beside_the_models_imports_one():
+    """data/, diffusion/ and metrics/ share the models' floor, so the floor test cannot see them import a model: what
+    they share with one lives below (``hf_configs`` for the tokenizers)."""
+    beside = {name for name, floor in FLOORS.items() if floor == FLOORS["models"] and name != "models"}
+    found = [f"{name} imports {imported}" for name, path in _modules() if name.partition(".")[2].split(".")[0] in beside
+             for imported in _imports(path) if imported.startswith("moh_lightning.models")]
+    assert found == []
 
 
 # tools/ holds commands, which sit on the callbacks' floor: an import of one by a library module is a tangle the floors

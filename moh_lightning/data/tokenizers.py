@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from moh_lightning.errors import MissingDataError
+from moh_lightning.hf_configs import MOH_MODEL_TYPES, family_config
 
 BYTE_TOKENIZER = "byte"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
@@ -45,8 +46,6 @@ def _moh_family_config(name: str):
     ``moh`` / ``moh_llama``), None for any other. Without it, transformers reads such a ``config.json`` without the
     remote code that defines its type, falls back to a config of no type and warns that a ``moh`` model instantiates
     a model of type ``""`` ("can yield errors"), when only the tokenizer is read."""
-    from moh_lightning.models.hf_causal.network import MOH_MODEL_TYPES, family_config
-
     file = Path(name).expanduser() / "config.json"
     if not file.is_file():
         return None

@@ -11,6 +11,7 @@ import torch
 from timm.layers import register_notrace_module
 from torch import nn
 
+from moh_lightning.layers.query_norm import query_norm_scores
 from moh_lightning.layers.router_op import route, selection_counts
 
 RouterType = Literal["learned", "query_norm"]
@@ -163,12 +164,8 @@ class QueryNormRouter(nn.Module):
         shared = q.new_ones(batch * length, self.num_shared_heads)
         if not self.num_routed_heads:
             return RouterOutput(shared.reshape(batch, length, self.num_heads), None)
-        routed_queries = q[:, self.num_shared_heads:]
-        norms = (routed_queries.float() if self.score_dtype == "float32" else routed_queries).norm(dim=-1)  # (B, E, N)
-        norms = norms.permute(0, 2, 1).reshape(batch * length, self.num_routed_heads)
-        logits = norms / norms.std(-1, keepdim=True).clamp_min(1e-6)
-        probs = logits.softmax(-1)
-        selected = _select_top_k(probs, self.top_k)
+        probs, selected = (t.reshape(batch * length, self.num_routed_heads)
+                           for t in query_norm_scores(q, self.num_shared_heads, self.top_k, self.score_dtype))
         routed = _StraightThrough.apply(probs, selected).to(q.dtype)
         loss = None
         if self.training and self.top_k < self.num_routed_heads:

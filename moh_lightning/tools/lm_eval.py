@@ -256,10 +256,11 @@ def remote_code_trusted(folder: Path, trust_remote_code: bool = False) -> bool:
 
     Other code stops in one line naming the file, since loading the folder would run it.
     """
+    from moh_lightning.layers import query_norm
     from moh_lightning.models.hf_causal import hf_moh
     from moh_lightning.models.llama import hf_moh_llama
 
-    ours = {Path(module.__file__).read_bytes() for module in (hf_moh_llama, hf_moh)}
+    ours = {Path(module.__file__).read_bytes() for module in (hf_moh_llama, hf_moh, query_norm)}
     foreign = sorted(p.name for p in folder.glob("*.py") if p.read_bytes() not in ours)
     if foreign and not trust_remote_code:
         raise SystemExit(f"moh lm-eval: --hf_folder {folder}: its modelling code {', '.join(foreign)} is not the file "

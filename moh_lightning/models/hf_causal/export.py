@@ -10,11 +10,12 @@ import json
 import shutil
 from pathlib import Path
 
-from moh_lightning.layers import moh_layers
+from moh_lightning.layers import moh_layers, query_norm
 from moh_lightning.models.hf_causal import hf_moh
 from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers, config_budget, layer_heads
 
 _REMOTE_FILE = Path(hf_moh.__file__).name
+_GATE_FILE = Path(query_norm.__file__).name
 _MOH_KEYS = ("moh_num_shared_heads", "moh_top_k", "moh_router", "moh_router_dtype", "moh_base_model_type",
              "moh_two_stage_routing")
 
@@ -39,8 +40,10 @@ def export_hf_causal(model: HFCausalLM, folder: str | Path, tokenizer=None, sour
                       auto_map={"AutoConfig": f"{_REMOTE_FILE[:-3]}.MoHConfig",
                                 "AutoModelForCausalLM": f"{_REMOTE_FILE[:-3]}.MoHForCausalLM"})
         shutil.copyfile(hf_moh.__file__, folder / _REMOTE_FILE)
+        shutil.copyfile(query_norm.__file__, folder / _GATE_FILE)
     else:
-        (folder / _REMOTE_FILE).unlink(missing_ok=True)
+        for name in (_REMOTE_FILE, _GATE_FILE):
+            (folder / name).unlink(missing_ok=True)
     file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

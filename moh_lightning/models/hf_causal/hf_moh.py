@@ -20,8 +20,9 @@ first ``moh_num_shared_heads`` heads always 1, and among the others the ``moh_to
 norm over the standard deviation of those norms 1, the rest 0. The attention interface passes the queries after
 rotary embedding, which keeps each head's norm. With every head kept the model computes exactly the family's logits.
 
-This file may import only torch and transformers. ``moh_lightning`` trains such a model by attaching its own
-routing module (``moh_heads``) to each attention layer; the registered function hands those layers to it.
+This file may import only torch, transformers and the gate's file ``query_norm.py`` (``moh_lightning.layers``'), which
+the export copies beside it. ``moh_lightning`` trains such a model by attaching its own routing module (``moh_heads``)
+to each attention layer; the registered function hands those layers to it.
 """
 from __future__ import annotations
 
@@ -33,23 +34,13 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.auto import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
+try:  # an exported folder: the gate file the export copies beside this one
+    from .query_norm import query_norm_gates
+except ImportError:  # this file inside moh_lightning, where that file is the suite's own
+    from moh_lightning.layers.query_norm import query_norm_gates
+
 #: The family attention each MoH implementation gates, and the mask it takes.
 BASES = {"sdpa": sdpa_mask, "eager": eager_mask}
-
-
-def query_norm_gates(query: torch.Tensor, num_shared_heads: int, top_k: int,
-                     score_dtype: str = "float32") -> torch.Tensor:
-    """{0, 1} gates (B, T, h) of the queries (B, h, T, d), scored in ``score_dtype``."""
-    batch, heads, length, _ = query.shape
-    gates = query.new_ones(batch, length, heads)
-    if num_shared_heads == heads:
-        return gates
-    routed = query[:, num_shared_heads:]
-    norms = (routed.float() if score_dtype == "float32" else routed).norm(dim=-1).transpose(1, 2)   # (B, T, E)
-    probs = (norms / norms.std(-1, keepdim=True).clamp_min(1e-6)).softmax(-1)
-    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, probs.topk(top_k, dim=-1).indices, True)
-    gates[..., num_shared_heads:] = selected.to(gates.dtype)
-    return gates
 
 
 def layer_budget(config, index: int) -> tuple[int, int] | None:

@@ -20,14 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moh_lightning.hf_configs import MOH_MODEL_TYPES, family_config
 from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
 from moh_lightning.layers.execution import execution_mode
 from moh_lightning.layers.moh_config import MoHConfig
+from moh_lightning.models.decoding import decode
 from moh_lightning.models.hf_causal import hf_moh
-from moh_lightning.models.llama.network import decode
 
-#: ``config.json`` ``model_type`` of the folders this suite writes: any family (``hf_moh``) and MoH-LLaMA.
-MOH_MODEL_TYPES = ("moh", "moh_llama")
 #: Where a composite (vision / audio + text) checkpoint keeps its language model's weights, as the text family's names.
 _COMPOSITE_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
                    r"^language_model\.lm_head\.": "lm_head."}
@@ -163,39 +162,6 @@ def read_source_config(source: str) -> dict:
             raise OSError(f"init_from={source!r}: cannot read its config ({reason}); give a local folder with "
                           f"config.json and weights, or a hub id reachable from here.") from None
     return family_config(raw, source).to_dict()
-
-
-def family_config(raw: dict, source: str = "config"):
-    """The family's ``transformers`` config from a ``config.json`` dict, MoH folders included."""
-    from transformers.models.auto import CONFIG_MAPPING
-
-    model_type = raw.get("model_type")
-    if model_type == "moh":
-        return hf_moh.family_config(raw)
-    if model_type == "moh_llama":
-        raw = {**raw, "model_type": "llama"}
-        model_type = "llama"
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{source}: model_type={model_type!r} is not a transformers model family; give a causal LM "
-                         f"whose family transformers knows.")
-    return language_model_config(CONFIG_MAPPING[model_type].from_dict({k: v for k, v in raw.items()
-                                                                       if k not in ("auto_map",)}))
-
-
-def language_model_config(config):
-    """``config`` itself, or the text part of a composite (vision / audio + text) config such as Gemma 3's or Fuyu's:
-    MoH converts the language model inside, read from the composite's weights (``_from_pretrained``)."""
-    from transformers.models.auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    text = config.get_text_config(decoder=True)
-    if text is config:
-        return config
-    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"model_type={config.model_type!r}: its language model ({text.model_type!r}) has no "
-                         f"transformers causal LM class to convert it into; convert a text-only model.")
-    # Whether the output layer is the embedding is the composite's setting (MOSS's text part says no, its model yes).
-    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
-    return text
 
 
 def default_budget(num_heads: int, shared: int | None = None) -> tuple[int, int]:

@@ -12,6 +12,7 @@ decoder itself never needs.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -235,6 +236,8 @@ def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str =
     """
     from transformers import LlamaForCausalLM
 
+    from moh_lightning.layers import query_norm
+    from moh_lightning.models.llama import hf_moh_llama
     from moh_lightning.models.llama.hf_moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM
 
     folder = Path(folder)
@@ -243,16 +246,22 @@ def export_hf(model: MoHLlama, folder: str | Path, tokenizer=None, source: str =
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                    "pad_token_id": tokenizer.pad_token_id}
     hf_config = hf_config_for(model.config, **special)
-    if isinstance(hf_config, MoHLlamaConfig):
-        # Registering makes save_pretrained copy hf_moh_llama.py into the folder and write config.auto_map.
-        MoHLlamaConfig.register_for_auto_class()
-        MoHLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    moh = isinstance(hf_config, MoHLlamaConfig)
+    if moh:
+        # Written by hand, not by registering the classes for the auto classes: save_pretrained would then copy the
+        # relative import of the gate's file from beside hf_moh_llama.py, where the package does not keep it.
+        remote = Path(hf_moh_llama.__file__).stem
+        hf_config.auto_map = {"AutoConfig": f"{remote}.MoHLlamaConfig",
+                              "AutoModelForCausalLM": f"{remote}.MoHLlamaForCausalLM"}
         hf_model = MoHLlamaForCausalLM(hf_config)
     else:
         hf_model = LlamaForCausalLM(hf_config)
     state = moh_to_hf_state_dict(model.state_dict(), model.config)
     hf_model.load_state_dict(state, strict=not model.config.tie_embeddings)
     hf_model.to(next(model.parameters()).dtype).save_pretrained(folder)
+    if moh:
+        for module in (hf_moh_llama, query_norm):
+            shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     (folder / "README.md").write_text(model_card(model.config, source, name or str(folder), tokenizer_note))

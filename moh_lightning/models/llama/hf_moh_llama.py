@@ -13,8 +13,9 @@ suite's two routers:
 
 ``moh_num_shared_heads`` and ``moh_top_k`` are one int for every layer or a list with one entry per layer. The
 exported model computes the gates only (inference and evaluation): the load-balance loss of training stays in the
-suite. This file may import only torch and transformers, so it repeats the routers' maths instead of importing
-them; that one duplication is inherent to remote code, and ``tests/tools/test_export_hf.py`` holds both to equal logits.
+suite. This file may import only torch, transformers and the query-norm gate's file ``query_norm.py``
+(``moh_lightning.layers``'), which the export copies beside it; so it repeats the learned router's maths, and
+``tests/tools/test_export_hf.py`` holds both to equal logits.
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+
+try:  # an exported folder: the gate file the export copies beside this one
+    from .query_norm import query_norm_gates
+except ImportError:  # this file inside moh_lightning, where that file is the suite's own
+    from moh_lightning.layers.query_norm import query_norm_gates
 
 
 class MoHLlamaConfig(LlamaConfig):
@@ -49,21 +55,6 @@ class MoHLlamaConfig(LlamaConfig):
         shared, top_k = self.moh_num_shared_heads, self.moh_top_k
         return (shared[index] if isinstance(shared, list) else shared,
                 top_k[index] if isinstance(top_k, list) else top_k)
-
-
-def query_norm_gates(query: torch.Tensor, num_shared_heads: int, top_k: int,
-                     score_dtype: str = "float32") -> torch.Tensor:
-    """{0, 1} gates (B, T, h) from the queries (B, h, T, d) before rotary embedding, scored in ``score_dtype``."""
-    batch, heads, length, _ = query.shape
-    gates = query.new_ones(batch, length, heads)
-    if num_shared_heads == heads:
-        return gates
-    routed = query[:, num_shared_heads:]
-    norms = (routed.float() if score_dtype == "float32" else routed).norm(dim=-1).transpose(1, 2)   # (B, T, E)
-    probs = (norms / norms.std(-1, keepdim=True).clamp_min(1e-6)).softmax(-1)
-    selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, probs.topk(top_k, dim=-1).indices, True)
-    gates[..., num_shared_heads:] = selected.to(gates.dtype)
-    return gates
 
 
 class MoHRouter(nn.Module):
