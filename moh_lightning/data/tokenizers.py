@@ -1,6 +1,6 @@
-"""Tokenizers of the language-model task: any Hugging Face tokenizer by name or path, or ``byte``: transformers'
-``ByT5Tokenizer`` (UTF-8 bytes + 3 special ids, no vocabulary file), encoded here with numpy since its ids are just
-``byte + 3``. Exported models carry ``exported_tokenizer``: the same ids from a plain ``tokenizer(text)``.
+"""Tokenizers of the language-model task: any Hugging Face tokenizer by name or path, or ``byte``: the ids of
+transformers' ``ByT5Tokenizer`` (UTF-8 bytes + 3 special ids, no vocabulary file), encoded here with numpy since they
+are just ``byte + 3``. Exported models carry ``exported_tokenizer``: the same ids from a plain ``tokenizer(text)``.
 """
 from __future__ import annotations
 
@@ -15,17 +15,45 @@ from moh_lightning.hf_configs import MOH_MODEL_TYPES, family_config
 
 BYTE_TOKENIZER = "byte"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
+_SPECIAL = ("<pad>", "</s>", "<unk>")
+
+
+class ByteTokenizer:
+    """ByT5's byte-level tokenizer (``ByT5Tokenizer(extra_ids=0)``): the same ids, calls and decoded text.
+
+    Kept here, not taken from transformers, so that the language-model default trains, generates and predicts on a
+    core install (transformers comes with the ``hf`` extra); tests/tasks/test_language_model.py holds it to ByT5's.
+    """
+
+    pad_token_id, eos_token_id, unk_token_id = 0, 1, 2
+    vocab_size = 256 + _BYTE_OFFSET
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = [byte + _BYTE_OFFSET for byte in text.encode("utf-8")]
+        return {"input_ids": ids + [self.eos_token_id] if add_special_tokens else ids}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; bytes that are no whole UTF-8 character are dropped, as ByT5 drops them."""
+        parts, pending = [], bytearray()
+        for i in ids:
+            if _BYTE_OFFSET <= i < self.vocab_size:
+                pending.append(i - _BYTE_OFFSET)
+            elif i < _BYTE_OFFSET and not skip_special_tokens:
+                parts += [pending.decode("utf-8", errors="ignore"), _SPECIAL[i]]
+                pending = bytearray()
+        return "".join([*parts, pending.decode("utf-8", errors="ignore")])
 
 
 def load_tokenizer(name: str, key: str = "tokenizer"):
-    """``byte`` (ByT5's byte-level tokenizer, built without any file) or a Hugging Face tokenizer.
+    """``byte`` (``ByteTokenizer``, built without any file) or a Hugging Face tokenizer.
 
     ``key`` names the setting in the one-line error raised when the tokenizer cannot be found or loaded.
     """
     if name == BYTE_TOKENIZER:
-        from transformers import ByT5Tokenizer
-
-        return ByT5Tokenizer(extra_ids=0)
+        return ByteTokenizer()
     from transformers import AutoTokenizer
 
     advice = "give a tokenizer folder (written by save_pretrained), a hub id that is reachable or cached, or 'byte'"

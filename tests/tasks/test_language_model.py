@@ -122,12 +122,16 @@ def test_block_size_and_budget_errors():
         LanguageModel(LlamaConfig(depth=2, num_heads=4, layer_heads=[4, 8], moh=MoHConfig(num_shared_heads=2)))
 
 
-def test_byte_encoding_matches_byt5_tokenizer():
-    tok = ByT5Tokenizer(extra_ids=0)
-    text = "déf f(x):\n    return x ** 2  # ünïcode"
-    ids = encode(tok, "byte", text.encode())
-    assert ids.tolist() == tok(text).input_ids  # bytes + 3, then EOS
-    assert tok.decode(ids[:-1].tolist()) == text
+@pytest.mark.parametrize("text", ["déf f(x):\n    return x ** 2  # ünïcode", "", "日本 🤗 ok"])
+def test_byte_tokenizer_is_byt5s(text):
+    byt5, ours = ByT5Tokenizer(extra_ids=0), load_tokenizer("byte")
+    ids = encode(ours, "byte", text.encode())
+    assert ids.tolist() == byt5(text).input_ids == ours(text)["input_ids"]  # bytes + 3, then EOS
+    assert ours(text, add_special_tokens=False)["input_ids"] == byt5(text, add_special_tokens=False)["input_ids"]
+    assert len(ours) == len(byt5) and (ours.eos_token_id, ours.pad_token_id) == (byt5.eos_token_id, byt5.pad_token_id)
+    cut = [0, *ids.tolist()[:-2], 1, 5, 2]  # pad, a character cut in two, eos, unk
+    for skip in (True, False):
+        assert ours.decode(cut, skip_special_tokens=skip) == byt5.decode(cut, skip_special_tokens=skip)
 
 
 def _corpus(root: Path, name: str, words: str, files: int = 30) -> Path:

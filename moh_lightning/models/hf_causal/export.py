@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 from moh_lightning.layers import moh_layers, query_norm
-from moh_lightning.models.hf_causal import hf_moh
 from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers, config_budget, layer_heads
 
-_REMOTE_FILE = Path(hf_moh.__file__).name
+# The remote code, read from beside this file so that writing a folder needs no transformers import of its own.
+_REMOTE_CODE = Path(__file__).with_name("hf_moh.py")
 _GATE_FILE = Path(query_norm.__file__).name
 _MOH_KEYS = ("moh_num_shared_heads", "moh_top_k", "moh_router", "moh_router_dtype", "moh_base_model_type",
              "moh_two_stage_routing")
@@ -37,12 +37,12 @@ def export_hf_causal(model: HFCausalLM, folder: str | Path, tokenizer=None, sour
         config.update(model_type="moh", moh_base_model_type=hf.config.model_type, moh_num_shared_heads=shared,
                       moh_top_k=top_k, moh_router="query_norm",
                       moh_router_dtype=moh_layers(model)[0].router.score_dtype,
-                      auto_map={"AutoConfig": f"{_REMOTE_FILE[:-3]}.MoHConfig",
-                                "AutoModelForCausalLM": f"{_REMOTE_FILE[:-3]}.MoHForCausalLM"})
-        shutil.copyfile(hf_moh.__file__, folder / _REMOTE_FILE)
+                      auto_map={"AutoConfig": f"{_REMOTE_CODE.name[:-3]}.MoHConfig",
+                                "AutoModelForCausalLM": f"{_REMOTE_CODE.name[:-3]}.MoHForCausalLM"})
+        shutil.copyfile(_REMOTE_CODE, folder / _REMOTE_CODE.name)
         shutil.copyfile(query_norm.__file__, folder / _GATE_FILE)
     else:
-        for name in (_REMOTE_FILE, _GATE_FILE):
+        for name in (_REMOTE_CODE.name, _GATE_FILE):
             (folder / name).unlink(missing_ok=True)
     file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
@@ -65,7 +65,7 @@ def model_card(model: HFCausalLM, source: str, name: str) -> str:
         active = sum(layer.active_heads for layer in layers)
         what = (f"A `{type(model.hf).__name__}` with Mixture-of-Head attention (MoH, Jin et al., ICML 2025, arXiv "
                 f"2410.11842) through transformers' attention interface: the family's modelling code runs unchanged "
-                f"and `{_REMOTE_FILE}` registers the MoH attention (hence `trust_remote_code=True`). Router: the "
+                f"and `{_REMOTE_CODE.name}` registers the MoH attention (hence `trust_remote_code=True`). Router: the "
                 f"parameter-free query-norm router of paper section 4.4 (the first shared heads always on; among the "
                 f"others each token keeps the top-k by query norm over the standard deviation of those norms, gate 1, "
                 f"the rest 0).")

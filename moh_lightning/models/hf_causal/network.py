@@ -25,7 +25,6 @@ from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
 from moh_lightning.layers.execution import execution_mode
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.decoding import decode
-from moh_lightning.models.hf_causal import hf_moh
 
 #: Where a composite (vision / audio + text) checkpoint keeps its language model's weights, as the text family's names.
 _COMPOSITE_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
@@ -33,6 +32,14 @@ _COMPOSITE_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.mod
 #: Keyword arguments of the attention interface that the suite's head-sparse kernels do not compute.
 _FAMILY_ONLY = ("softcap", "s_aux", "sinks", "position_bias")
 
+
+
+def remote_code():
+    """``hf_moh``, the file copied into exported folders as their remote code: it imports transformers at its top, so
+    it loads when a Hugging Face model is first built, not with the language-model task."""
+    from moh_lightning.models.hf_causal import hf_moh
+
+    return hf_moh
 
 class InterfaceHeads(MoHHeads):
     """The MoH routing of one ``transformers`` attention layer, called by the registered MoH attention in its place.
@@ -74,7 +81,7 @@ class InterfaceHeads(MoHHeads):
                               offset=num_keys - num_queries, attn_mask=attention_mask, decoding=decoding,
                               dropout_p=dropout)
             return out, None
-        out, weights = hf_moh.family_attention(module, base)(module, query, key, value, attention_mask,
+        out, weights = remote_code().family_attention(module, base)(module, query, key, value, attention_mask,
                                                               scaling=scaling, dropout=dropout, **kwargs)
         return out * gates[..., None].to(out.dtype), weights
 
@@ -187,7 +194,7 @@ def head_budget(moh: MoHConfig, config, heads: dict[int, int] | None = None) -> 
     if moh.num_shared_heads != 0 or moh.top_k is not None:
         return [(layer["num_shared_heads"], layer["top_k"]) for layer in moh.layers(list(heads.values()), len(heads))]
     if getattr(config, "moh_num_shared_heads", None) is not None:
-        return [hf_moh.layer_budget(config, index) for index in heads]
+        return [remote_code().layer_budget(config, index) for index in heads]
     return [default_budget(layer) for layer in heads.values()]
 
 
@@ -228,7 +235,7 @@ def attention_layers(hf: nn.Module) -> list[nn.Module]:
     name = type(hf).__name__
     if not type(hf)._can_set_attn_implementation():
         raise ValueError(_bypasses_interface(name))
-    layers = [m for m in hf.modules() if hf_moh.is_attention_layer(m) and calls_interface(m)]
+    layers = [m for m in hf.modules() if remote_code().is_attention_layer(m) and calls_interface(m)]
     depth = hf.config.num_hidden_layers
     if not layers:
         raise ValueError(f"{name}: none of its {depth} layers calls transformers' attention interface, where MoH "
@@ -284,9 +291,9 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
     budget = None
     if moh is not None:
         budget = head_budget(moh, family)
-        hf_moh.register()
+        remote_code().register()
         family_class = _family_class(family)
-        implementation = hf_moh.moh_implementation(family_class, None)
+        implementation = remote_code().moh_implementation(family_class, None)
         family.moh_router, family.moh_router_dtype = "query_norm", moh.router_dtype
     dtype = dtype or torch.get_default_dtype()
     try:
@@ -325,7 +332,7 @@ def check_gated_layers(model: HFCausalLM) -> None:
     called: dict[int, nn.Module] = {}
 
     def recording(module, *args, **kwargs):
-        if hf_moh.is_attention_layer(module):
+        if remote_code().is_attention_layer(module):
             called[id(module)] = module
         return attention(module, *args, **kwargs)
 
