@@ -32,9 +32,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from moh_lightning.layers.head_sparse_attention import attend_all_queries, head_sparse_attention, split_kv
 
-# Where ``auto`` runs head-sparse on CUDA, from ``moh bench --device cuda``: (kind, minimum queries or cache length,
-# largest active fraction). No GPU has measured it yet, so ``auto`` computes dense-and-mask on CUDA; ``sparse``
-# forces this path.
+# Where ``auto`` runs head-sparse on CUDA, as ``benchmarks/attention_cuda.py`` measures it: (kind, minimum queries or
+# cache length, largest active fraction). Empty: on an H200 the kernels won nowhere (results/bench_attention_cuda.md),
+# so ``auto`` computes dense-and-mask on CUDA; ``execution: sparse`` forces this path.
 CUDA_SPARSE: dict[str, tuple[int, float]] = {}
 # FlexAttention's query and key block (its default): the unit in which key blocks are skipped.
 FLEX_BLOCK = 128

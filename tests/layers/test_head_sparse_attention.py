@@ -242,7 +242,7 @@ def test_batched_decode_equals_per_pair_decode_and_dense(num_kv_heads, padded, a
 
 
 def test_auto_on_cuda_follows_the_cuda_table(threads, monkeypatch):
-    """``auto`` on CUDA runs head-sparse only where ``moh bench --device cuda`` measured it faster: with no table,
+    """``auto`` on CUDA runs head-sparse only where ``benchmarks/attention_cuda.py`` measured it faster: with no table,
     never; ``sparse`` always."""
     import moh_lightning.layers.head_sparse_cuda as cuda
     from moh_lightning.layers.execution import runs_head_sparse

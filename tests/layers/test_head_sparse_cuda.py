@@ -258,27 +258,6 @@ def test_cuda_sparse_compiles():
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.slow
-def test_bench_cuda_quick_writes_every_table(tmp_path):
-    """The GPU report's harness, smoke-tested on the CPU (its head-sparse cells go through the CPU backend there)."""
-    from moh_lightning.tools.bench.cuda import bench_cuda
-
-    text = bench_cuda(str(tmp_path / "cuda.md"), dtype="float32", quick=True, device="cpu").read_text()
-    for section in ("## Targets", "## Attention core", "## Whole MoH layer", "## Decoding one token",
-                    "## torch.compile", "CUDA_SPARSE = {"):
-        assert section in text
-    assert "| 128 |" in text and "half the heads" in text
-
-
-def test_bench_on_cuda_without_a_gpu_says_so():
-    from moh_lightning.tools.bench import bench
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here")
-    with pytest.raises(SystemExit, match="--device cuda, but torch sees no CUDA device"):
-        bench(device="cuda")
-
-
 @pytest.mark.parametrize("path", ["bidirectional", "causal", "decoding"])
 def test_cuda_layouts_read_nothing_back_to_the_host(path):
     """Forward and backward of each CUDA layout, with the kernels stubbed by shape-only stand-ins, dispatch no op that

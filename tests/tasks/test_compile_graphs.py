@@ -17,7 +17,7 @@ from moh_lightning.configs import load_config
 from moh_lightning.layers import MoHHeads, pop_load_balance_loss
 from moh_lightning.layers.moh_attention import compile_blocks, model_blocks
 
-# Each task's CPU default, then its GPU defaults (the pairs `moh bench --steps` times, and MoH-TransNeXt-S), and the
+# Each task's CPU default, then its GPU defaults (the pairs `benchmarks/steps.py` times, and MoH-TransNeXt-S), and the
 # continue-tuning of a transformers model.
 CONFIGS = ["vit_tiny_mnist_75.yaml", "dit_mnist_75.yaml", "llm_stdlib_75.yaml", "moh_transnext_mnist_75.yaml",
            "vit_s_75.yaml", "dit_s2_75.yaml", "llm_s_75.yaml", "moh_transnext_small_75.yaml", "continue_hf_75.yaml"]

@@ -2,9 +2,8 @@
 
 This module is the command: its options, which sections run, the page they make. Each section measures in a module
 of its own (``core``, ``layer``, ``memory``, ``decode``, ``models``), all timed the same way (``timing``), and
-``report`` holds what the page says; ``--device cuda`` runs the GPU report (``cuda``) instead, ``--steps true`` each
-task's training step (``steps``), ``--loader true`` the ImageNet recipe's image loader alone (``loader``) and
-``--parity true`` ``moh fit``'s step against a bare PyTorch loop of the same network (``parity``).
+``report`` holds what the page says. The developer's benchmarks (the GPU report, each task's step, the image loader,
+``moh fit`` against a bare loop) are scripts beside the package, in ``benchmarks/``.
 """
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ from pathlib import Path
 import torch
 
 from moh_lightning.tools.bench.core import core_section
-from moh_lightning.tools.bench.cuda import bench_cuda
 from moh_lightning.tools.bench.decode import decode_section
 from moh_lightning.tools.bench.layer import layer_section
-from moh_lightning.tools.bench.loader import bench_loader
 from moh_lightning.tools.bench.memory import memory_section
 from moh_lightning.tools.bench.models import (
     MODELS,
@@ -28,16 +25,12 @@ from moh_lightning.tools.bench.models import (
     model_section,
 )
 from moh_lightning.tools.bench.op_count import op_count_section
-from moh_lightning.tools.bench.parity import bench_parity
 from moh_lightning.tools.bench.report import Report, header, shared_machine
 from moh_lightning.tools.bench.shapes import BATCH, FRACTIONS
-from moh_lightning.tools.bench.steps import bench_steps
 from moh_lightning.tools.bench.timing import Clock
 
 DEFAULTS = {"quick": False, "repeats": 5, "warmup": 2, "models": True, "compiled": True, "threads": None,
-            "device": "cpu", "clock": "wall", "compile_backend": "inductor", "steps": False, "loader": False,
-            "loader_workers": None, "loader_data": None, "loader_batches": 20, "parity": False,
-            "parity_configs": None, "parity_repeats": 3, "parity_steps": 60, "parity_profile": True}
+            "clock": "wall", "compile_backend": "inductor"}
 
 
 def default_output(name: str) -> Path:
@@ -46,11 +39,8 @@ def default_output(name: str) -> Path:
 
 
 def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
-          models: bool = True, compiled: bool = True, threads: int | None = None, device: str = "cpu",
-          clock: str = "wall", compile_backend: str = "inductor", steps: bool = False, loader: bool = False,
-          loader_workers: list[int] | None = None, loader_data: str | None = None, loader_batches: int = 20,
-          parity: bool = False, parity_configs: list[str] | None = None, parity_repeats: int = 3,
-          parity_steps: int = 60, parity_profile: bool = True) -> Path:
+          models: bool = True, compiled: bool = True, threads: int | None = None, clock: str = "wall",
+          compile_backend: str = "inductor") -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Prints each section as it starts and ends, rewrites the page after each (a stopped bench leaves what it
@@ -60,8 +50,8 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
         quick: A subset in about a minute: batch 1 at N = 128 and 1,024 (where the CPU's head-sparse path is
             expected to win), 50% heads, caches of 256 and 4,096 tokens, the MNIST ViT's step at batch 16.
         output: Markdown report; the plot goes beside it as ``<stem>.png``. By default a folder of this run's own,
-            ``bench/<date>_<time>/bench_attention.md`` (``bench_attention_cuda.md`` on CUDA); the shipped pages in
-            ``results/`` are rewritten only when named here.
+            ``bench/<date>_<time>/bench_attention.md``; the shipped pages in ``results/`` are rewritten only when
+            named here.
         repeats: Timed runs per measurement (the median is reported).
         warmup: Untimed rounds before them (each timed run also makes the two untimed calls of
             ``torch.utils.benchmark``'s ``Timer.timeit`` just before it).
@@ -69,73 +59,19 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
             DiT-S/2 and LLM-S shapes, activation-checkpointing memory, LLM-S decoding).
         compiled: Include the compiled-vs-eager table of the three CPU defaults (minutes of compilation).
         threads: torch's intra-op threads; its default (one per core) when None.
-        device: ``cpu``, or ``cuda`` for the GPU report (``bench.cuda``: bf16, the CUDA head-sparse kernels against
-            SDPA over all and over half of the heads; ``quick`` and ``output`` are the only other options it reads).
         clock: ``wall`` (elapsed time) or ``cpu`` (the process's CPU time: steadier on a shared machine; ratios
             between variants compare the work done, not the waiting).
-        compile_backend: ``torch.compile`` backend of the compiled table and of ``steps``' compiled rows (``aot_eager``
-            compiles in seconds).
-        steps: Only each task's MoH training step against its dense config (``bench.steps``): eager, and on CUDA
-            compiled too; rows into ``output`` (``results/gpu/steps.json`` by default) and a page beside it. With
-            ``quick``: the CPU defaults at batch 2, eager and compiled (``compile_backend``) on any device, the GPU
-            call's dry run (``results/gpu/run.sh --dry-run``).
-        loader: Only the ImageNet recipe's training loader (``bench.loader``): images/s and images/s per worker for
-            each of ``loader_workers``, ``device_augment`` true and false, on JPEGs of ImageNet's typical sizes; rows
-            into ``output`` (``results/loader.json`` by default) and the page ``loader.md`` beside it. ``quick``:
-            batches of 16, one timed batch per worker.
-        loader_workers: The loader's worker counts (0: the main process); None: 1, each power of two up to the
-            count of cores this process may use, and that count.
-        loader_data: An ImageNet-layout folder of your own (``train/<class>/``, ``val/<class>/``, or ``<class>/``
-            folders) to load instead of synthetic JPEGs; it is only read.
-        loader_batches: Timed batches per worker, after each worker's first.
-        parity: Only ``moh fit``'s steady-state step against a bare PyTorch loop of the same network, batch, optimizer
-            and loss (``bench.parity``), for each task's embedded CPU default: ``parity_repeats`` pairs of runs, the
-            ratio's median and range, and a profile of where the gap is; rows into ``output``
-            (``results/parity.json`` by default) and the page ``parity.md`` beside it. ``quick``: one repeat of 10
-            steps after 3, profiled (minutes, for CI). ``threads`` sets both loops' torch threads (``OMP_NUM_THREADS``).
-        parity_configs: The shipped configs to compare; None: ``vit_tiny_mnist_75``, ``dit_mnist_90`` and
-            ``llm_stdlib_75``.
-        parity_repeats: Pairs of runs (a ``moh fit``, then the bare loop) per config.
-        parity_steps: Timed steps per run, after 10 (and after a callback that starts late: the DiT recipe's EMA).
-        parity_profile: One more ``moh fit`` per config under Lightning's ``SimpleProfiler``, for where the gap is.
+        compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
     """
     if clock not in ("wall", "cpu"):
         raise SystemExit(f"moh bench: --clock {clock!r}: choose wall or cpu.")
-    run_on = torch.device(device)
-    if loader:
-        given = {"loader_workers": loader_workers, "loader_data": loader_data, "loader_batches": loader_batches}
-        command = " ".join(["moh bench --loader true"] + (["--quick true"] if quick else [])
-                           + [f"--{k} {str(v).replace(' ', '')}" for k, v in given.items() if v != DEFAULTS[k]]
-                           + ([f"--output {output}"] if output else []))
-        return bench_loader(output or "results/loader.json", loader_workers, loader_data, loader_batches, quick,
-                            command)
-    if parity:
-        given = {"parity_configs": parity_configs, "parity_repeats": parity_repeats, "parity_steps": parity_steps,
-                 "parity_profile": parity_profile, "threads": threads}
-        command = " ".join(["moh bench --parity true"] + (["--quick true"] if quick else [])
-                           + [f"--{k} {str(v).replace(' ', '').lower() if isinstance(v, bool) else v}"
-                              for k, v in given.items() if v != DEFAULTS[k]]
-                           + ([f"--output {output}"] if output else []))
-        return bench_parity(output or "results/parity.json", parity_configs, parity_repeats, parity_steps,
-                            parity_profile, quick, threads, command)
-    if steps:
-        return bench_steps(device, output or "results/gpu/steps.json", repeats=repeats, warmup=warmup,
-                           compiled=compiled and (run_on.type == "cuda" or quick), backend=compile_backend, quick=quick)
-    if run_on.type == "cuda":
-        path = Path(output) if output else default_output("bench_attention_cuda.md")
-        print(f"moh bench: writing {path} (rewritten after each table)", flush=True)
-        bench_cuda(str(path), quick=quick, device=device)
-        print(f"moh bench: wrote {path}", flush=True)
-        return path
     path = Path(output) if output else default_output("bench_attention.md")
-    if clock == "cpu" and run_on.type != "cpu":
-        raise SystemExit("moh bench: --clock cpu times CPU work; on a GPU use the wall clock.")
     torch.manual_seed(0)
     if threads is not None:
         torch.set_num_threads(threads)
     if quick:  # each timed run's two untimed calls warm it up
         repeats, warmup = 2, 0
-    timer = Clock(run_on, clock == "cpu")
+    timer = Clock(torch.device("cpu"), clock == "cpu")
     # Quick: one sequence a batch (a quarter of the work), a short length and 1,024 tokens, where the CPU's
     # head-sparse path is expected to win, and the same for the cache; neither the dense-and-mask reference of the
     # core table nor the fresh-process memory measurements.
@@ -163,7 +99,7 @@ def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warm
     if compiled and not quick:
         sections["compiled vs eager"] = lambda: compiled_section(report, timer, repeats, warmup, compile_backend)
     options = {"quick": quick, "repeats": repeats, "warmup": warmup, "models": models, "compiled": compiled,
-               "threads": threads, "device": device, "clock": clock, "compile_backend": compile_backend}
+               "threads": threads, "clock": clock, "compile_backend": compile_backend}
     command = " ".join(["moh bench"] + [f"--{k} {str(v).lower() if isinstance(v, bool) else v}"
                                         for k, v in options.items() if v != DEFAULTS[k] and k != "quick"])
     command = "moh bench --quick true" if quick else command

@@ -1,4 +1,4 @@
-"""``moh bench --parity true``: ``moh fit``'s steady-state training step against a bare PyTorch loop of the same
+"""``python benchmarks/parity.py``: ``moh fit``'s steady-state training step against a bare PyTorch loop of the same
 network, batch, optimizer and loss, for each task's embedded CPU default; Lightning's parity benchmark
 (``tests/parity_pytorch``) holds its loop to the same.
 
@@ -10,7 +10,7 @@ mean time between batch starts in the fastest period (``timings``): every period
 every logging window included, and the fastest is the one that other work on the machine disturbed least (as
 ``timeit`` takes the fastest of its repeats).
 
-Two bare loops run in fresh processes too (``python -m moh_lightning.tools.bench.parity bare``): the task and data
+Two bare loops run in fresh processes too (``python benchmarks/parity.py bare``): the task and data
 module that run saved in its last checkpoint, the optimizer and scheduler of the task's ``configure_optimizers`` (a
 Lightning ``fit`` of no steps builds them), and per step the task's ``training_step`` (its loss and the load-balance
 term; ``self.log`` a no-op), ``zero_grad``, ``backward``, the run's gradient clipping, ``optimizer.step`` and the
@@ -28,7 +28,6 @@ same replacing it) and the page ``parity.md`` beside it.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import lightning
 import torch
+from jsonargparse import CLI
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.profilers import SimpleProfiler
 
@@ -51,6 +51,8 @@ from moh_lightning.configs import load_config
 from moh_lightning.serialization import load_file
 from moh_lightning.tools.bench.report import cpu_name, shared_machine
 
+# The repository's root: the ``moh fit`` process imports ``StepClock`` from here, as ``benchmarks.parity``.
+ROOT = Path(__file__).resolve().parents[1]
 # Each task's embedded CPU default, as the README names them.
 CONFIGS = ["vit_tiny_mnist_75", "dit_mnist_90", "llm_stdlib_75"]
 WARMUP = 10  # steps before the window: the allocator's, the first logging window's and the loader's first costs
@@ -66,7 +68,7 @@ class StepClock(Callback):
     """Notes when each training batch starts (wall and process CPU clocks), the checkpoints and epochs, and with a
     ``SimpleProfiler`` each action's calls in each logging period of the window from batch ``first`` to batch
     ``last`` (``periods``); writes them to ``path`` when training ends, with the trainer settings the bare loop
-    repeats. What ``moh bench --parity true`` times ``moh fit`` by.
+    repeats. What ``benchmarks/parity.py`` times ``moh fit`` by.
 
     Args:
         path: The JSON file to write.
@@ -158,7 +160,7 @@ def fit_run(config: str, folder: Path, first: int, steps: int, profile: bool, th
     command = [sys.executable, "-m", "moh_lightning.cli", "fit", "--config", config,
                "--trainer.max_steps", str(first + steps + 1), "--trainer.limit_val_batches", "0",
                "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
-               f"--trainer.callbacks+={__spec__.name}.StepClock", "--trainer.callbacks.init_args.path", str(clock),
+               "--trainer.callbacks+=benchmarks.parity.StepClock", "--trainer.callbacks.init_args.path", str(clock),
                "--trainer.callbacks.init_args.first", str(first),
                "--trainer.callbacks.init_args.last", str(first + steps)]
     _run(command + (["--trainer.profiler", "simple"] if profile else []), folder, threads,
@@ -172,18 +174,20 @@ def bare_run(checkpoint: str, settings: dict, steps: int, folder: Path, threads:
              loader: bool = False) -> dict:
     """The bare loop of ``checkpoint``'s task for ``steps`` steps, in a fresh process (``bare_loop``)."""
     out = folder.resolve() / f"bare{'_loader' if loader else ''}.json"
-    command = [sys.executable, "-m", __spec__.name, "bare", "--checkpoint", checkpoint, "--settings",
-               json.dumps(settings), "--steps", str(steps), "--out", str(out)] + (["--loader"] if loader else [])
+    command = [sys.executable, str(ROOT / "benchmarks/parity.py"), "bare", "--checkpoint", checkpoint, "--settings",
+               json.dumps(settings), "--steps", str(steps), "--out", str(out), "--loader", str(loader).lower()]
     _run(command, folder, threads, "the bare loop")
     return json.loads(out.read_text())
 
 
 def _run(command: list[str], folder: Path, threads: int | None, what: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None  # torch's threads, read at its start
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # torch's threads, read at its start
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     if done.returncode:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:]
-        raise SystemExit(f"moh bench: parity: {what} failed (exit {done.returncode}): {' '.join(last)}")
+        raise SystemExit(f"parity: {what} failed (exit {done.returncode}): {' '.join(last)}")
 
 
 @contextmanager
@@ -201,7 +205,7 @@ def bare_setup(checkpoint: str, settings: dict) -> tuple[LightningModule, Lightn
     """The task and data module a ``moh fit`` run saved in ``checkpoint``, and a trainer that has run a fit of no
     steps on them: the task's ``configure_optimizers`` has built its optimizer and scheduler, the data is set up."""
     if settings["accumulate_grad_batches"] != 1:
-        raise SystemExit("moh bench: parity: the bare loop steps the optimizer every batch; the run accumulates "
+        raise SystemExit("parity: the bare loop steps the optimizer every batch; the run accumulates "
                          f"{settings['accumulate_grad_batches']} batches.")
     raw = load_file(checkpoint, map_location="cpu")
     for key in ("hyper_parameters", "datamodule_hyper_parameters"):  # Lightning loads only classes already imported
@@ -363,7 +367,7 @@ def parity_row(config: str, repeats: list[dict], profiled: dict | None, warmup: 
 
 def bench_parity(output: str = "results/parity.json", configs: list[str] | None = None, repeats: int = 3,
                  steps: int = 60, profile: bool = True, quick: bool = False, threads: int | None = None,
-                 command: str = "moh bench --parity true") -> Path:
+                 command: str = "python benchmarks/parity.py") -> Path:
     """Measures each config (``repeats`` x a ``moh fit`` and a bare loop, then a profiled ``moh fit``, each process
     with ``threads`` torch threads, or torch's default), prints its row, and rewrites ``output`` and its ``.md`` page
     after each."""
@@ -387,7 +391,7 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
                 measured.append({"fit": fit, "bare": bare, "loader": loader,
                                  "load": [load_before, os.getloadavg()[0]]})
                 block = fit["settings"]["log_every_n_steps"]
-                print(f"moh bench: parity {config} repeat {repeat + 1}/{repeats}: moh fit "
+                print(f"parity: {config} repeat {repeat + 1}/{repeats}: moh fit "
                       f"{timings(fit, periods(first, steps, block))['ms']:.1f} ms/step, bare loop "
                       f"{timings(bare, periods(warmup, steps, block))['ms']:.1f} ms/step (with the loader "
                       f"{timings(loader, periods(warmup, steps, block))['ms']:.1f})", flush=True)
@@ -401,7 +405,7 @@ def bench_parity(output: str = "results/parity.json", configs: list[str] | None 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rows, indent=1) + "\n")  # after every config: a stopped bench keeps its rows
         path.with_suffix(".md").write_text(page(rows))
-        print(f"moh bench: parity {config}: moh fit / bare loop = {row['ratio']:.2f} (min {row['ratio_min']:.2f}, "
+        print(f"parity: {config}: moh fit / bare loop = {row['ratio']:.2f} (min {row['ratio_min']:.2f}, "
               f"max {row['ratio_max']:.2f}; {row['fit_ms']:.1f} / {row['bare_ms']:.1f} ms) -> {path}", flush=True)
     return path
 
@@ -497,23 +501,52 @@ def _gap_section(row: dict) -> list[str]:
     return lines
 
 
-def _main() -> None:
-    """``python -m moh_lightning.tools.bench.parity bare ...``: one bare loop, its record written to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m moh_lightning.tools.bench.parity")
-    parser.add_argument("command", choices=["bare"])
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--settings", required=True, help="the fit's trainer settings (StepClock's), as JSON")
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--loader", action="store_true", help="a new batch of the run's loader every step")
-    args = parser.parse_args()
-    record = bare_loop(args.checkpoint, json.loads(args.settings), args.steps, args.loader)
-    Path(args.out).write_text(json.dumps(record))
+def bench(configs: list[str] | None = None, repeats: int = 3, steps: int = 60, profile: bool = True,
+          quick: bool = False, threads: int | None = None, output: str = "results/parity.json") -> Path:
+    """``moh fit``'s steady-state training step against a bare PyTorch loop, and where the gap is.
+
+    The same network, batch, optimizer and loss, for each task's embedded CPU default: ``repeats`` pairs of runs, the
+    ratio's median and range, and a profile of where the gap is. Rows into ``output`` (one per config and thread
+    count) and the page ``<stem>.md`` beside it, after each config.
+
+    Args:
+        configs: The shipped configs to compare; None: ``vit_tiny_mnist_75``, ``dit_mnist_90`` and ``llm_stdlib_75``.
+        repeats: Pairs of runs (a ``moh fit``, then the bare loop) per config.
+        steps: Timed steps per run, after 10 (and after a callback that starts late: the DiT recipe's EMA).
+        profile: One more ``moh fit`` per config under Lightning's ``SimpleProfiler``, for where the gap is.
+        quick: One repeat of 10 steps after 3, profiled (minutes, for CI).
+        threads: Both loops' torch threads (``OMP_NUM_THREADS``); torch's default when None.
+        output: The rows' JSON file.
+    """
+    given = {"configs": (configs, None), "repeats": (repeats, 3), "steps": (steps, 60), "profile": (profile, True),
+             "threads": (threads, None)}
+    command = " ".join(["python benchmarks/parity.py"] + (["--quick true"] if quick else [])
+                       + [f"--{k} {str(v).replace(' ', '').lower() if isinstance(v, bool) else v}"
+                          for k, (v, default) in given.items() if v != default]
+                       + ([f"--output {output}"] if output != "results/parity.json" else []))
+    return bench_parity(output, configs, repeats, steps, profile, quick, threads, command)
+
+
+def bare(checkpoint: str, settings: str, steps: int, out: str, loader: bool = False) -> None:
+    """One bare loop, its record written to ``out``: what ``bench`` runs in a fresh process.
+
+    Args:
+        checkpoint: The ``moh fit`` run's last checkpoint.
+        settings: The fit's trainer settings (``StepClock``'s), as JSON.
+        steps: Steps to run.
+        out: The record's JSON file.
+        loader: A new batch of the run's loader every step.
+    """
+    Path(out).write_text(json.dumps(bare_loop(checkpoint, json.loads(settings), steps, loader)))
+
+
+def main(args: list[str] | None = None) -> Path | None:
+    """``bench``'s options, or ``bare`` and its own (the fresh process of a bare loop)."""
+    given = list(sys.argv[1:] if args is None else args)
+    if given[:1] == ["bare"]:
+        return CLI(bare, args=given[1:], as_positional=False)
+    return CLI(bench, args=given, as_positional=False)
 
 
 if __name__ == "__main__":
-    _main()
-
-
-__all__ = ["CONFIGS", "StepClock", "bare_loop", "bare_parts", "batch_size", "bench_parity", "breakdown", "late_start",
-           "fastest_period", "page", "parity_row", "period_means", "periods", "timings"]
+    main()

@@ -1,4 +1,4 @@
-"""`moh bench --parity true`: `moh fit`'s step against a bare loop of the same network, as rows of parity.json and a
+"""`benchmarks/parity.py`: `moh fit`'s step against a bare loop of the same network, as rows of parity.json and a
 page; what each part of the gap is from the profiler's actions. No timing is asserted, only that the pieces fit."""
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from moh_lightning.cli import main
-from moh_lightning.tools.bench import parity
+from benchmarks import parity
 
 
 @pytest.mark.slow
@@ -15,8 +14,7 @@ def test_quick_parity_rows_and_page(run_dir, capsys, monkeypatch):
     # One short repeat of the MNIST ViT: a `moh fit` of 4 steps (profiled: quick) and its two bare loops, 3 processes.
     monkeypatch.setitem(parity.QUICK, "steps", 2)
     monkeypatch.setitem(parity.QUICK, "warmup", 1)
-    main(["bench", "--parity", "true", "--quick", "true", "--parity_configs", "[vit_tiny_mnist_75]",
-          "--output", "out/parity.json"])
+    parity.main(["--quick", "true", "--configs", "[vit_tiny_mnist_75]", "--output", "out/parity.json"])
     (row,) = json.loads((run_dir / "out/parity.json").read_text())
     assert row["config"] == "vit_tiny_mnist_75" and row["task"] == "ImageClassifier"
     assert row["batch"] == row["bare_batch"] == 128 and row["threads"] == row["bare_threads"]
@@ -37,7 +35,7 @@ def test_quick_parity_rows_and_page(run_dir, capsys, monkeypatch):
     text = (run_dir / "out/parity.md").read_text()
     assert f"| vit_tiny_mnist_75 | ImageClassifier | 128 | {row['threads']} | 1-2 |" in text
     assert "## Where the gap is: vit_tiny_mnist_75" in text and "callback `HeadLoadCallback`" in text
-    assert "moh bench --parity true --quick true --parity_configs ['vit_tiny_mnist_75']" in text
+    assert "python benchmarks/parity.py --quick true --configs ['vit_tiny_mnist_75'] --output out/parity.json" in text
     assert "moh fit / bare loop =" in capsys.readouterr().out
     assert not list(run_dir.glob("runs")) and not list(run_dir.glob("**/*.ckpt"))  # the runs' folders are gone
 

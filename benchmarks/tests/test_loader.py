@@ -1,4 +1,4 @@
-"""`moh bench --loader true`: the ImageNet recipe's training loader alone, as rows of loader.json and its page."""
+"""`benchmarks/loader.py`: the ImageNet recipe's training loader alone, as rows of loader.json and its page."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from moh_lightning.cli import main
+from benchmarks import loader
 
 
 def test_synthetic_jpegs_rows_and_page(run_dir, capsys):
-    main(["bench", "--loader", "true", "--quick", "true", "--loader_workers", "[0]", "--output", "out/loader.json"])
+    loader.main(["--quick", "true", "--workers", "[0]", "--output", "out/loader.json"])
     rows = json.loads((run_dir / "out/loader.json").read_text())
     assert [(r["device_augment"], r["workers"]) for r in rows] == [(True, 0), (False, 0)]
     assert all(r["images_per_s"] > 0 and r["per_worker"] == r["images_per_s"] and r["batch"] == 16 for r in rows)
@@ -19,7 +19,7 @@ def test_synthetic_jpegs_rows_and_page(run_dir, capsys):
     assert [(r["dtype"], r["shape"]) for r in rows] == [("uint8", [3, 224, 224]), ("float32", [3, 224, 224])]
     text = (run_dir / "out/loader.md").read_text()
     assert "synthetic JPEGs" in text and "| True | 0 |" in text and "not yet measured on a GPU" in text
-    assert "moh bench: loader device_augment False" in capsys.readouterr().out
+    assert "loader: device_augment False" in capsys.readouterr().out
     assert not list(run_dir.glob("**/*.JPEG"))  # the synthetic folder is a temporary one, gone afterwards
 
 
@@ -32,8 +32,7 @@ def test_own_folder_is_read_not_written(run_dir):
                 image = Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8))
                 image.save(run_dir / "own" / split / label / f"{i}.JPEG")
     before = sorted(p.relative_to(run_dir) for p in (run_dir / "own").rglob("*"))
-    main(["bench", "--loader", "true", "--quick", "true", "--loader_workers", "[1]", "--loader_data", "own",
-          "--output", "out/loader.json"])
+    loader.main(["--quick", "true", "--workers", "[1]", "--data", "own", "--output", "out/loader.json"])
     rows = json.loads((run_dir / "out/loader.json").read_text())
     assert [r["workers"] for r in rows] == [1, 1] and all(r["images_per_s"] > 0 for r in rows)
     assert "20 training images of the given folder" in (run_dir / "out/loader.md").read_text()
@@ -42,15 +41,13 @@ def test_own_folder_is_read_not_written(run_dir):
 
 def test_missing_folder_is_one_line_naming_the_option(run_dir):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--loader", "true", "--quick", "true", "--loader_data", "nowhere"])
+        loader.main(["--quick", "true", "--data", "nowhere"])
     message = str(exit_info.value.code)
-    assert "--loader_data nowhere" in message and "\n" not in message
+    assert "--data nowhere" in message and "\n" not in message
     assert not (run_dir / "results").exists()
 
 
 def test_gpu_comparison_reads_the_compiled_dense_vit_s_row(run_dir):
-    from moh_lightning.tools.bench.loader import against_gpu
-
     (run_dir / "results/gpu").mkdir(parents=True)
     step = {"config": "vit_s_75", "baseline": "vit_s_100", "device": "NVIDIA H100", "batch": 128}
     (run_dir / "results/gpu/steps.json").write_text(json.dumps([{**step, "compile": False, "baseline_ms": 100.0},
@@ -58,6 +55,6 @@ def test_gpu_comparison_reads_the_compiled_dense_vit_s_row(run_dir):
     rows = [{"device_augment": True, "workers": 1, "per_worker": 250.0, "images_per_s": 250.0},
             {"device_augment": True, "workers": 16, "per_worker": 200.0, "images_per_s": 3200.0},
             {"device_augment": False, "workers": 16, "per_worker": 100.0, "images_per_s": 1600.0}]
-    text = "\n".join(against_gpu(rows))
+    text = "\n".join(loader.against_gpu(rows))
     assert "NVIDIA H100: 2000 images/s" in text and "16 workers (device_augment true): 3200 images/s, enough" in text
     assert "2000 / 250 = 8.0 at the rate of 1 worker and 2000 / 200 = 10.0 at the rate of 16 workers" in text

@@ -1,4 +1,4 @@
-"""``moh bench --loader true``: the ImageNet recipe's training loader alone, in images/s and images/s per worker.
+"""``python benchmarks/loader.py``: the ImageNet recipe's training loader alone, in images/s and images/s per worker.
 
 What is measured is ``ImageFolderDataModule.train_dataloader`` built with the data settings of
 ``cli_configs/recipes/vit_imagenet.yaml`` (224 px random-resized crops, batch 128, RandAugment, Random Erasing 0.25),
@@ -22,11 +22,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from jsonargparse import CLI
 from PIL import Image
 
 from moh_lightning.configs import load_config
 from moh_lightning.data.images import ImageFolderDataModule
-from moh_lightning.errors import MissingDataError
+from moh_lightning.errors import MissingDataError, UsageError
 from moh_lightning.tools.bench.report import cpu_name, shared_machine
 
 RECIPE = "recipes/vit_imagenet.yaml"
@@ -47,11 +48,34 @@ def default_workers() -> list[int]:
     return sorted({2 ** k for k in range(cores.bit_length()) if 2 ** k <= cores} | {cores})
 
 
+def bench(workers: list[int] | None = None, data: str | None = None, batches: int = 20, quick: bool = False,
+          output: str = "results/loader.json") -> Path:
+    """The ImageNet recipe's training loader alone, in images/s and images/s per worker.
+
+    For each worker count, ``device_augment`` true and false, on JPEGs of ImageNet's typical sizes. Rows into
+    ``output`` and the page ``<stem>.md`` beside it, after each measurement.
+
+    Args:
+        workers: The loader's worker counts (0: the main process); None: 1, each power of two up to the count of
+            cores this process may use, and that count.
+        data: An ImageNet-layout folder of your own (``train/<class>/``, ``val/<class>/``, or ``<class>/`` folders)
+            to load instead of synthetic JPEGs; it is only read.
+        batches: Timed batches per worker, after each worker's first.
+        quick: Batches of 16, one timed batch per worker.
+        output: The rows' JSON file.
+    """
+    given = {"workers": (workers, None), "data": (data, None), "batches": (batches, 20)}
+    command = " ".join(["python benchmarks/loader.py"] + (["--quick true"] if quick else [])
+                       + [f"--{k} {str(v).replace(' ', '')}" for k, (v, default) in given.items() if v != default]
+                       + ([f"--output {output}"] if output != "results/loader.json" else []))
+    return bench_loader(output, workers, data, batches, quick, command)
+
+
 def bench_loader(output: str = "results/loader.json", workers: list[int] | None = None, data: str | None = None,
-                 batches: int = 20, quick: bool = False, command: str = "moh bench --loader true") -> Path:
+                 batches: int = 20, quick: bool = False, command: str = "python benchmarks/loader.py") -> Path:
     """Measures each (device_augment, worker count), prints each row, rewrites ``output`` and its page after each."""
     if data is not None and not Path(data).expanduser().is_dir():
-        raise MissingDataError(f"--loader_data {data}: no such folder; give an ImageNet-layout folder "
+        raise MissingDataError(f"--data {data}: no such folder; give an ImageNet-layout folder "
                                f"(train/<class>/ and val/<class>/, or <class>/ folders), or leave it out for "
                                f"synthetic JPEGs.")
     counts = workers if workers is not None else default_workers()
@@ -63,7 +87,7 @@ def bench_loader(output: str = "results/loader.json", workers: list[int] | None 
     with contextlib.ExitStack() as stack:
         if data is None:
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moh_loader_")))
-            print(f"moh bench: loader: writing synthetic JPEGs into {scratch} (deleted afterwards)", flush=True)
+            print(f"loader: writing synthetic JPEGs into {scratch} (deleted afterwards)", flush=True)
             root = write_jpegs(scratch, settings["batch_size"] * (batches + 1) * max(max(counts), 1))
         else:
             root = Path(data).expanduser()
@@ -80,7 +104,7 @@ def bench_loader(output: str = "results/loader.json", workers: list[int] | None 
                 path.with_suffix(".md").write_text(page(rows, images, command, load_before, os.getloadavg(),
                                                         time.time() - started, settings))
                 row = rows[-1]
-                print(f"moh bench: loader device_augment {device_augment}, workers {count}: "
+                print(f"loader: device_augment {device_augment}, workers {count}: "
                       f"{row['images_per_s']:.0f} images/s, {row['per_worker']:.0f} per worker -> {path}", flush=True)
     return path
 
@@ -89,7 +113,7 @@ def measure(module: ImageFolderDataModule, workers: int, device_augment: bool, b
     """One row: the steady images/s of the module's training loader after each worker's first batch."""
     loader = module.train_dataloader()
     if len(loader) == 0:
-        raise MissingDataError(f"--loader_data {module.hparams.data_dir}: fewer training images than one batch "
+        raise MissingDataError(f"--data {module.hparams.data_dir}: fewer training images than one batch "
                                f"({module.hparams.batch_size}).")
     load = os.getloadavg()[0]
     stream = _endless(loader)  # a folder smaller than the measurement is read again, epoch after epoch
@@ -153,7 +177,7 @@ def _pixels(file: str) -> tuple[int, int]:
 
 
 def dense_vit_s_rate(steps: Path = GPU_STEPS) -> tuple[float, str] | None:
-    """(images/s, GPU) of the compiled dense ViT-S step in ``moh bench --steps true``'s rows; None until measured."""
+    """(images/s, GPU) of the compiled dense ViT-S step in ``benchmarks/steps.py``'s rows; None until measured."""
     rows = json.loads(steps.read_text()) if steps.is_file() else []
     for row in rows:
         if row.get("baseline") == "vit_s_100" and row.get("compile") and row.get("device") != "cpu":
@@ -218,5 +242,12 @@ def against_gpu(rows: list[dict]) -> list[str]:
     return ["", "## Against the GPU step", "", *lines]
 
 
-__all__ = ["against_gpu", "bench_loader", "default_workers", "dense_vit_s_rate", "describe", "page", "usable_cores",
-           "write_jpegs"]
+def main(args: list[str] | None = None) -> Path:
+    try:
+        return CLI(bench, args=args, as_positional=False)
+    except UsageError as error:  # a folder that is not there: one line, no traceback
+        raise SystemExit(f"loader: {error}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
 # The one call on a lent GPU: measures first, then tests in what is left, within 540 s on an H100.
-#   setup   the wheels carried in .whl/ installed into /tmp/site (results/gpu/wheels.py install); the GPU named
+#   setup   the wheels carried in .whl/ installed into /tmp/site (benchmarks/wheels.py install); the GPU named
 #   check   every module the call imports and every carried package import, the GPU and liger-kernel's ops are
 #           there, the CUDA tests' ids collect (a failure ends the call before anything is measured); versions
 #           outside the suite's ranges are said
-#   steps   moh bench --steps true: each task's MoH training step against its dense config, eager, then compiled
+#   steps   benchmarks/steps.py: each task's MoH training step against its dense config, eager, then compiled
 #           (rows into $OUT/steps.json and steps.md as each is measured)
-#   loader  moh bench --loader true: the ImageNet recipe's image loader on this machine's cores ($OUT/loader.json, .md)
+#   loader  benchmarks/loader.py: the ImageNet recipe's image loader on this machine's cores ($OUT/loader.json, .md)
 #   tests   the CUDA tests, the never-yet-run ones first, in the seconds left
 # Each phase prints its exit status and the seconds left; the whole log is $OUT/run.log. A phase cut at its limit
 # (exit 124) keeps the rows it wrote.
 #
-# On a lent GPU, from the repository root, the wheels made here first (python results/gpu/wheels.py): the device
-# tool's run with command `bash results/gpu/run.sh`, carry [".whl"], timeout_s 600. Then copy $OUT/steps.json and
+# On a lent GPU, from the repository root, the wheels made here first (python benchmarks/wheels.py): the device
+# tool's run with command `bash benchmarks/run.sh`, carry [".whl"], timeout_s 600. Then copy $OUT/steps.json and
 # steps.md to results/gpu/.
 # --dry-run: the same phases on the CPU with tiny shapes, compiled rows through aot_eager, the wheels' names checked
 # but not installed (MOH_GPU_WHEELS names their folder) and the CUDA tests collected and skipped: CI's
-# tests/tools/test_gpu_call.py, so that a broken import, a missing wheel, a bad path or a bench crash shows there.
+# benchmarks/tests/test_gpu_call.py, so that a broken import, a missing wheel, a bad path or a bench crash shows there.
 set -uo pipefail
-cd "$(dirname "$0")/../.." || exit 1
+cd "$(dirname "$0")/.." || exit 1
 DRY=""
 [ "${1:-}" = "--dry-run" ] && DRY=--dry-run
 OUT=${OUT:-$(mktemp -d)}
@@ -31,11 +31,11 @@ export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -n "$DRY" ]; then
     DEVICE=cpu
     STEPS=(--quick true --compile_backend aot_eager --repeats 2 --warmup 1)
-    LOADER=(--quick true --loader_workers "[0]")
+    LOADER=(--quick true --workers "[0]")
 else
     DEVICE=cuda
     STEPS=(--repeats 20 --warmup 5)
-    LOADER=(--loader_workers "[1,4,8,16]" --loader_batches 4)
+    LOADER=(--workers "[1,4,8,16]" --batches 4)
 fi
 # The CUDA tests, most telling first: the fused router and liger-kernel's kernels (never run on a GPU yet), the
 # blocks compiled without graph breaks, no host read in a step, the router's compiled passes (96 Triton compiles),
@@ -91,21 +91,20 @@ finish() {
 }
 
 call() {
-    echo "== results/gpu/run.sh ${DRY:-} on $(uname -n) at $(date -u +%FT%TZ), writing into $OUT"
+    echo "== benchmarks/run.sh ${DRY:-} on $(uname -n) at $(date -u +%FT%TZ), writing into $OUT"
     if [ -z "$DRY" ]; then
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
     fi
-    phase setup 60 "$PYTHON" results/gpu/wheels.py --wheels "$WHEELS" --site "$SITE" install $DRY || finish
-    phase check 120 "$PYTHON" results/gpu/wheels.py --wheels "$WHEELS" --site "$SITE" check $DRY "$DEVICE" \
+    phase setup 60 "$PYTHON" benchmarks/wheels.py --wheels "$WHEELS" --site "$SITE" install $DRY || finish
+    phase check 120 "$PYTHON" benchmarks/wheels.py --wheels "$WHEELS" --site "$SITE" check $DRY "$DEVICE" \
         "${CUDA_TESTS[@]}" || finish
-    phase steps 330 "$PYTHON" -m moh_lightning.cli bench --steps true --device "$DEVICE" "${STEPS[@]}" \
-        --output "$OUT/steps.json"
+    phase steps 330 "$PYTHON" benchmarks/steps.py --device "$DEVICE" "${STEPS[@]}" --output "$OUT/steps.json"
     # The loader's page sets its rate against the compiled dense ViT-S step it reads from results/gpu/steps.json:
     # on the GPU machine's copy of the tree, the rows just measured.
     if [ -z "$DRY" ] && [ -f "$OUT/steps.json" ]; then
         cp "$OUT/steps.json" results/gpu/steps.json
     fi
-    phase loader 60 "$PYTHON" -m moh_lightning.cli bench --loader true "${LOADER[@]}" --output "$OUT/loader.json"
+    phase loader 60 "$PYTHON" benchmarks/loader.py "${LOADER[@]}" --output "$OUT/loader.json"
     phase tests 600 "$PYTHON" -m pytest -v -p no:cacheprovider -rfEs --durations=15 "${CUDA_TESTS[@]}"
     finish
 }

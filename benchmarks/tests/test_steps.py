@@ -1,4 +1,4 @@
-"""`moh bench --steps true`: each task's MoH step against its dense config, as rows of steps.json."""
+"""`benchmarks/steps.py`: each task's MoH step against its dense config, as rows of steps.json."""
 from __future__ import annotations
 
 import json
@@ -6,19 +6,16 @@ import json
 import pytest
 import torch
 
-from moh_lightning.cli import main
-from moh_lightning.tools.bench.steps import GPU_PAIRS
+from benchmarks import steps
 
 FIELDS = {"config", "baseline", "device", "compile", "asked_compile", "tokens", "ratio", "mfu", "precision",
           "compile_backend", "versions", "moh_graphs", "baseline_graphs", "moh_recompiles", "baseline_recompiles"}
 
 
 def test_steps_rows_are_written_and_replaced_not_repeated(run_dir, capsys, monkeypatch):
-    from moh_lightning.tools.bench import steps
-
     monkeypatch.setattr(steps, "CPU_PAIRS", [("vit_tiny_mnist_75", "vit_tiny_mnist_100", 2, None)])
     for _ in range(2):
-        main(["bench", "--steps", "true", "--repeats", "1", "--warmup", "0", "--output", "out/steps.json"])
+        steps.main(["--repeats", "1", "--warmup", "0", "--output", "out/steps.json"])
     (row,) = json.loads((run_dir / "out/steps.json").read_text())
     assert FIELDS <= set(row) and row["config"] == "vit_tiny_mnist_75" and row["baseline"] == "vit_tiny_mnist_100"
     assert row["device"] == "cpu" and row["compile"] is False and row["tokens"] == 17 and row["mfu"] is None
@@ -31,8 +28,6 @@ def test_steps_rows_are_written_and_replaced_not_repeated(run_dir, capsys, monke
 
 def test_a_row_whose_networks_compiled_no_graph_says_compile_false_and_why(monkeypatch, capsys):
     """The issue's ViT rows: asked compiled, run eagerly, labelled compiled. Here compile_blocks compiles nothing."""
-    from moh_lightning.tools.bench import steps
-
     monkeypatch.setattr(steps, "compile_blocks", lambda model, **kwargs: 0)
     row = steps.step_row("vit_tiny_mnist_75", "vit_tiny_mnist_100", 2, None, torch.device("cpu"), True, 1, 0,
                          "aot_eager")
@@ -48,8 +43,6 @@ def test_a_row_whose_networks_compiled_no_graph_says_compile_false_and_why(monke
 def test_a_network_past_the_recompile_limit_is_not_labelled_compiled():
     """The MNIST DiT's blocks have 3 distinct head budgets, so 3 graphs; with a recompile limit of 1 the blocks past
     it run eagerly, and the row says so instead of `compile: true`."""
-    from moh_lightning.tools.bench import steps
-
     with torch._dynamo.config.patch(recompile_limit=1):  # a config entry: monkeypatch would delete it afterwards
         row = steps.step_row("dit_mnist_75", "dit_mnist_100", 2, None, torch.device("cpu"), True, 1, 1, "aot_eager")
     assert row["asked_compile"] is True and row["compile"] is False and row["moh_graphs"] > 0
@@ -59,8 +52,6 @@ def test_a_network_past_the_recompile_limit_is_not_labelled_compiled():
 def test_compiled_rows_count_each_networks_own_graphs_from_a_reset(monkeypatch):
     """Both networks compile graphs of their own (counters cleared between them), and the token count's no-grad pass
     runs before compiling, so it compiles nothing that is not timed."""
-    from moh_lightning.tools.bench import steps
-
     tokens, graphs_after_tokens = steps._tokens, []
 
     def counted_tokens(model, inputs):
@@ -75,7 +66,7 @@ def test_compiled_rows_count_each_networks_own_graphs_from_a_reset(monkeypatch):
     assert row["moh_graphs"] >= 1 and row["baseline_graphs"] >= 1
 
 
-@pytest.mark.parametrize("pair", GPU_PAIRS, ids=lambda pair: pair[0])
+@pytest.mark.parametrize("pair", steps.GPU_PAIRS, ids=lambda pair: pair[0])
 def test_every_gpu_pair_names_shipped_configs_of_one_family(pair):
     """The GPU pairs run only on a GPU: their names are checked here, where a typo costs nothing."""
     from moh_lightning.models.dit import DiTConfig

@@ -1,12 +1,13 @@
-"""The wheels the GPU call (``results/gpu/run.sh``) carries in ``.whl/``: made here, installed and checked there.
+"""The wheels the GPU call (``benchmarks/run.sh``) carries in ``.whl/``: made here, installed and checked there.
 
-    python results/gpu/wheels.py                          # here: .whl/ for the GPU image's Python, checked as a set
-    python3 results/gpu/wheels.py install [--dry-run]     # run.sh there: one wheel per name, into /tmp/site
-    python3 results/gpu/wheels.py check DEVICE TEST...    # run.sh there: the call's imports, floors and tests
+    python benchmarks/wheels.py                          # here: .whl/ for the GPU image's Python, checked as a set
+    python3 benchmarks/wheels.py install [--dry-run]     # run.sh there: one wheel per name, into /tmp/site
+    python3 benchmarks/wheels.py check DEVICE TEST...    # run.sh there: the call's imports, floors and tests
 
 ``wheels.txt`` beside this file names the distributions; ``image_packages.txt`` what the GPU image already has. Only
 the standard library and ``packaging`` (in the image and in the suite's venv), so it runs before anything is
-installed. Every failure ends the process with a line naming what is missing.
+installed: argparse, not the jsonargparse it carries. Every failure ends the process with a line naming what is
+missing.
 """
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ from packaging.tags import Tag, compatible_tags, cpython_tags, sys_tags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = HERE.parent
 NAMES = HERE / "wheels.txt"
 IMAGE = HERE / "image_packages.txt"
 PYTHON = (3, 12)  # the GPU image's python3 (KINDS.md: Python 3.12.3)
 # The wheels' platforms: the GPU machine is x86-64 Linux; pip matches a manylinux_2_N tag only for the N named.
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "linux_x86_64"]
 # What the measuring phases import (their lazy imports included); the CUDA tests are collected in `check` besides.
-CALL_MODULES = ["moh_lightning.cli", "moh_lightning.tools.bench.steps", "moh_lightning.tools.bench.loader",
-                "moh_lightning.tools.bench.model_step", "moh_lightning.models.vit", "moh_lightning.models.dit",
-                "moh_lightning.models.llama", "moh_lightning.data.images", "moh_lightning.tasks"]
+CALL_MODULES = ["moh_lightning.cli", "benchmarks.steps", "benchmarks.loader", "moh_lightning.tools.bench.model_step",
+                "moh_lightning.models.vit", "moh_lightning.models.dit", "moh_lightning.models.llama",
+                "moh_lightning.data.images", "moh_lightning.tasks"]
 # The libraries a reader of the call's log wants first (their versions, and whether carried or the image's).
 SHOWN = ["torch", "triton", "liger-kernel", "lightning", "timm", "jsonargparse"]
 
@@ -184,11 +185,11 @@ def install(folder: Path, site: str, dry_run: bool) -> None:
     ``site`` beside the image's packages (``--dry-run``: the names and files only, as CI's fake wheels allow)."""
     wanted = read_list(NAMES)
     if not folder.is_dir():
-        sys.exit(f"wheels: no {folder}/ here: make it with `python results/gpu/wheels.py` and carry it "
+        sys.exit(f"wheels: no {folder}/ here: make it with `python benchmarks/wheels.py` and carry it "
                  f"(carry: [\"{folder}\"]). Missing: {', '.join(wanted)}")
     problems = check_set(folder, wanted, {}, set(sys_tags()), read_metadata=False)
     if problems:
-        sys.exit(f"wheels: {folder}/ cannot be installed (make it again with `python results/gpu/wheels.py`):\n  "
+        sys.exit(f"wheels: {folder}/ cannot be installed (make it again with `python benchmarks/wheels.py`):\n  "
                  + "\n  ".join(problems))
     files = sorted(str(file) for file in folder.glob("*.whl"))
     if not dry_run:  # against the versions this machine has: a mismatch is said, and `check` then tries the imports

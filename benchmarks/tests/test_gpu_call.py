@@ -1,9 +1,8 @@
-"""``results/gpu/run.sh``, the one call on a lent GPU, proven here where a mistake costs nothing: its dry run on the
+"""``benchmarks/run.sh``, the one call on a lent GPU, proven here where a mistake costs nothing: its dry run on the
 CPU (the same phases, tiny shapes, compiled rows through aot_eager, the wheels' names checked against fake wheels,
-the CUDA tests collected), and the checks of ``results/gpu/wheels.py`` that make and install the wheels."""
+the CUDA tests collected), and the checks of ``benchmarks/wheels.py`` that make and install the wheels."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -14,18 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from moh_lightning.tools.bench.steps import QUICK_PAIRS
+from benchmarks import wheels
+from benchmarks.steps import QUICK_PAIRS
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "results/gpu/run.sh"
-_spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "results/gpu/wheels.py")
-wheels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(wheels)
+RUN = Path(wheels.__file__).with_name("run.sh")
 PHASES = ("setup", "check", "steps", "loader", "tests")
 
 
 def fake_wheels(folder: Path, leave_out: tuple[str, ...] = ()) -> Path:
-    """Empty files named as ``python results/gpu/wheels.py`` names the wheels: what the dry run checks of them."""
+    """Empty files named as ``python benchmarks/wheels.py`` names the wheels: what the dry run checks of them."""
     folder.mkdir()
     for name, pinned in wheels.read_list(wheels.NAMES).items():
         if name not in leave_out:

@@ -1,4 +1,4 @@
-"""``moh bench --steps true``: each task's MoH training step against its dense config, eager and compiled.
+"""``python benchmarks/steps.py``: each task's MoH training step against its dense config, eager and compiled.
 
 One row per (MoH config, compile): the step times of the MoH network and of the dense config's (same shapes, same
 batch, bf16 autocast on a GPU), their ratio, the dense model's FLOPs per step over the step's time as a share of the
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
+from jsonargparse import CLI
 from torch._dynamo.utils import counters, guard_failures
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -40,10 +41,31 @@ GPU_PAIRS = [("dit_s2_75", "dit_s2_100", 128, None), ("llm_s_75", "llm_s_100", 8
 # The CPU defaults at small batches: the same table in seconds, for trying the command (no MFU: no CPU peak).
 CPU_PAIRS = [("vit_tiny_mnist_75", "vit_tiny_mnist_100", 32, None), ("dit_mnist_75", "dit_mnist_100", 16, None),
              ("llm_stdlib_75", "llm_stdlib_100", 4, 256)]
-# ``--quick true``: the CPU defaults at batch 2, the GPU call's dry run in CI (results/gpu/run.sh --dry-run).
+# ``--quick true``: the CPU defaults at batch 2, the GPU call's dry run in CI (benchmarks/run.sh --dry-run).
 QUICK_PAIRS = [(moh, dense, 2, seq_len and 64) for moh, dense, _, seq_len in CPU_PAIRS]
 # The libraries a row's times depend on, as installed where it ran (a missing one is left out).
 LIBRARIES = ("torch", "triton", "liger-kernel", "lightning", "timm")
+
+
+def bench(device: str = "cpu", output: str = "results/gpu/steps.json", repeats: int = 5, warmup: int = 2,
+          compiled: bool = True, compile_backend: str = "inductor", quick: bool = False) -> Path:
+    """Each task's MoH training step against its dense config: eager, and on CUDA compiled too.
+
+    Rows into ``output`` (a row of the same config, compile asked and device replaced) and a page beside it.
+
+    Args:
+        device: ``cpu`` (the CPU defaults at small batches) or ``cuda`` (the GPU defaults: ViT-S, DiT-S/2, an LM at
+            1,024 and at 4,096 tokens, bf16 autocast, kernels per step and the GPU's busy share).
+        output: The rows' JSON file; the page goes beside it as ``<stem>.md``.
+        repeats: Timed steps per network (the median is reported).
+        warmup: Untimed steps before them.
+        compiled: Also the compiled rows, on CUDA or with ``quick`` (on the CPU they take minutes of compilation).
+        compile_backend: ``torch.compile`` backend of the compiled rows (``aot_eager`` compiles in seconds).
+        quick: The CPU defaults at batch 2, eager and compiled on any device: the GPU call's dry run
+            (``benchmarks/run.sh --dry-run``).
+    """
+    compiled = compiled and (torch.device(device).type == "cuda" or quick)
+    return bench_steps(device, output, compiled, repeats, warmup, backend=compile_backend, quick=quick)
 
 
 def bench_steps(device: str = "cuda", output: str = "results/gpu/steps.json", compiled: bool = True,
@@ -55,7 +77,7 @@ def bench_steps(device: str = "cuda", output: str = "results/gpu/steps.json", co
     """
     run_on = torch.device(device)
     if run_on.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moh bench: --device cuda, but torch sees no CUDA device here.")
+        raise SystemExit("benchmarks/steps.py: --device cuda, but torch sees no CUDA device here.")
     pairs = pairs or (QUICK_PAIRS if quick else GPU_PAIRS if run_on.type == "cuda" else CPU_PAIRS)
     path = Path(output)
     rows = json.loads(path.read_text()) if path.is_file() else []
@@ -66,12 +88,12 @@ def bench_steps(device: str = "cuda", output: str = "results/gpu/steps.json", co
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(rows, indent=1) + "\n")  # after every row: a lease that ends keeps them
             path.with_suffix(".md").write_text(page(rows))
-            print(f"moh bench: {moh} / {dense}, compile {row['compile']}: ratio {row['ratio']:.3f} "
+            print(f"steps: {moh} / {dense}, compile {row['compile']}: ratio {row['ratio']:.3f} "
                   f"(MoH {row['moh_ms']:.2f} ms, dense {row['baseline_ms']:.2f} ms; graphs {row['moh_graphs']} / "
                   f"{row['baseline_graphs']}, recompiles {row['moh_recompiles']} / {row['baseline_recompiles']}) "
                   f"-> {path}", flush=True)
             if "not_compiled" in row:
-                print(f"moh bench: {moh} / {dense}: NOT COMPILED, the row says compile false: {row['not_compiled']}",
+                print(f"steps: {moh} / {dense}: NOT COMPILED, the row says compile false: {row['not_compiled']}",
                       flush=True)
     return path
 
@@ -215,7 +237,7 @@ def page(rows: list[dict]) -> str:
              "Ratio = MoH step time / the dense config's step time (same batch and shapes); MFU counts the dense "
              "model's FLOPs against the device's dense bf16 peak; kernels and GPU-busy share from the profiler "
              "(CUDA only); graphs and recompiles are Dynamo's counts per network (a compiled row whose network "
-             "compiled nothing says compile false, and why below). Written by `moh bench --steps true`.", "",
+             "compiled nothing says compile false, and why below). Written by `python benchmarks/steps.py`.", "",
              "| config | baseline | device | compile | precision | tokens | batch | MoH ms | dense ms | ratio "
              "| MoH MFU | dense MFU | kernels MoH / dense | GPU busy MoH / dense | graphs MoH / dense "
              "| recompiles MoH / dense |", "|" + "---|" * 16]
@@ -240,4 +262,9 @@ def page(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CPU_PAIRS", "GPU_PAIRS", "QUICK_PAIRS", "bench_steps", "page", "step_row"]
+def main(args: list[str] | None = None) -> Path:
+    return CLI(bench, args=args, as_positional=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""``benchmarks/attention_cuda.py``, the GPU report of the CUDA head-sparse backend: its harness on the CPU."""
+import pytest
+import torch
+
+from benchmarks import attention_cuda
+
+
+@pytest.mark.slow
+def test_bench_cuda_quick_writes_every_table(tmp_path):
+    """The GPU report's harness, smoke-tested on the CPU (its head-sparse cells go through the CPU backend there)."""
+    text = attention_cuda.bench_cuda(str(tmp_path / "cuda.md"), dtype="float32", quick=True, device="cpu").read_text()
+    for section in ("## Targets", "## Attention core", "## Whole MoH layer", "## Decoding one token",
+                    "## torch.compile", "CUDA_SPARSE = {"):
+        assert section in text
+    assert "| 128 |" in text and "half the heads" in text
+
+
+def test_bench_on_cuda_without_a_gpu_says_so(run_dir):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+        attention_cuda.main([])
