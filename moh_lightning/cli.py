@@ -8,6 +8,7 @@ integration missing for a command is one line naming the extra that installs it.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import logging
 import re
@@ -16,20 +17,20 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from moh_lightning.errors import UsageError, missing_extra
+from moh_lightning.errors import MissingExtraError, UsageError, missing_extra
 
 
 class Command(NamedTuple):
-    target: str  # "module:function", imported when the command runs
+    target: str  # "module:attribute.path", imported when the command runs
     summary: str  # its line in `moh --help`: the first sentence of its docstring (tests/cli/test_cli_help.py)
 
 
 # LightningCLI's subcommands, each the Trainer method of its name.
 LOOPS: dict[str, Command] = {
-    "fit": Command("lightning.pytorch.Trainer:fit", "Runs the full optimization routine."),
-    "validate": Command("lightning.pytorch.Trainer:validate", "Perform one evaluation epoch over the validation set."),
-    "test": Command("lightning.pytorch.Trainer:test", "Perform one evaluation epoch over the test set."),
-    "predict": Command("lightning.pytorch.Trainer:predict", "Run inference on your data."),
+    "fit": Command("lightning.pytorch:Trainer.fit", "Runs the full optimization routine."),
+    "validate": Command("lightning.pytorch:Trainer.validate", "Perform one evaluation epoch over the validation set."),
+    "test": Command("lightning.pytorch:Trainer.test", "Perform one evaluation epoch over the test set."),
+    "predict": Command("lightning.pytorch:Trainer.predict", "Run inference on your data."),
 }
 TOOLS: dict[str, Command] = {
     "bench": Command("moh_lightning.tools.bench:bench", "Benchmark MoH attention (head-sparse execution) and MoH "
@@ -66,8 +67,8 @@ COMMANDS: dict[str, Command] = {**LOOPS, **TOOLS}
 
 
 def target(command: Command) -> Callable:
-    module, _, name = command.target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    module, _, path = command.target.partition(":")
+    return functools.reduce(getattr, path.split("."), importlib.import_module(module))
 
 
 def commands_help() -> str:
@@ -147,6 +148,8 @@ def main(args: Sequence[str] | None = None) -> None:
             from moh_lightning.trainer_cli import MoHLightningCLI
 
             MoHLightningCLI(args=args)  # None: Lightning's DDP launcher starts each further process from sys.argv
+    except MissingExtraError as error:
+        raise SystemExit(f"moh {given[0]}: {error}") from None
     except UsageError as error:
         raise SystemExit(f"moh: {error}") from None
     except ImportError as error:

@@ -33,13 +33,14 @@ def install_line(extra: str) -> str:
     return f"pip install 'moh-lightning[{extra}]'"
 
 
-def missing_extra(error: ImportError) -> MissingExtraError | None:
+def missing_extra(error: Exception) -> MissingExtraError | None:
     """The one-line error for an import that failed because an extra is not installed, None for any other failure.
 
     Reads the module's name, or the package a Lightning logger names in its own message ("Requirement 'wandb>=0.12'
-    not met"), so an extra missing anywhere below a command is caught at the command's one boundary.
+    not met", which jsonargparse passes on inside a ValueError), so an extra missing anywhere below a command is
+    caught at the command's one boundary.
     """
-    name = error.name or ""
+    name = getattr(error, "name", None) or ""
     if not name:
         found = re.search(r"Requirement '([\w.-]+)|No module named '([\w.]+)'", str(error))
         name = next((group for group in found.groups() if group), "") if found else ""

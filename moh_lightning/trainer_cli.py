@@ -38,6 +38,7 @@ from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.cli_args import CONFIG_FLAGS, null_group_args, resolve_config_args, run_name
 from moh_lightning.cli_errors import one_line_error
 from moh_lightning.cli_init_from import network_of_init_from, tokenizer_of_init_from
+from moh_lightning.errors import missing_extra
 from moh_lightning.lightning_compat import MoHRichProgressBar
 from moh_lightning.runs import (
     check_resumable,
@@ -299,7 +300,7 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         try:
             super().instantiate_classes()
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
-            raise SystemExit(f"moh: {one_line_error(str(error))}") from None
+            raise missing_extra(error) or SystemExit(f"moh: {one_line_error(str(error))}") from None
         one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
         if self.checkpoint_hparams and isinstance(self.model, LightningModule):
             # After the data module passed its sizes on, before anything is written.

@@ -37,7 +37,8 @@ def test_a_vit_fit_loads_no_integration_that_lightning_does_not(tmp_path):
     `moh fit` adds nothing to what Lightning and timm load."""
     lightnings = _integrations_loaded("import lightning.pytorch, timm")
     fit = _integrations_loaded("from moh_lightning.cli import main\nmain(['fit', '--config', 'vit_tiny_mnist_75.yaml', "
-                               "'--trainer.fast_dev_run', '1', '--trainer.enable_progress_bar', 'false'])", cwd=tmp_path)
+                               "'--trainer.fast_dev_run', '1', '--trainer.enable_progress_bar', 'false'])",
+                               cwd=tmp_path)
     assert set(fit) <= set(lightnings)
 
 
