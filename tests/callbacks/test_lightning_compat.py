@@ -16,7 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.strategies import DDPStrategy
 
-from moh_lightning.callbacks import lightning_compat, reliability, shutdown
+from moh_lightning.callbacks import lightning_compat, reliability, run_store, shutdown, watchdog
 from moh_lightning.callbacks.lightning_compat import PRIVATE_LIGHTNING_NAMES, MoHRichProgressBar
 from moh_lightning.cli import MoHLightningCLI
 
@@ -76,7 +76,8 @@ def test_every_private_name_used_by_the_compat_module_is_listed() -> None:
     assert not unlisted, f"lightning_compat.py uses {sorted(unlisted)}: list them in PRIVATE_LIGHTNING_NAMES"
 
 
-@pytest.mark.parametrize("module", [reliability, shutdown], ids=lambda module: module.__name__.rpartition(".")[2])
+@pytest.mark.parametrize("module", [reliability, shutdown, watchdog, run_store],
+                         ids=lambda module: module.__name__.rpartition(".")[2])
 def test_the_reliability_callbacks_use_no_private_lightning_name(module) -> None:
     listed = {path.rsplit(".", 1)[1] for path in PRIVATE_LIGHTNING_NAMES}
     used = _private_names_used(module) & listed
