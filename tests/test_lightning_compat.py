@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, Ric
 from lightning.pytorch.strategies import DDPStrategy
 
 from moh_lightning import lightning_compat
-from moh_lightning.callbacks import reliability, shutdown
+from moh_lightning.callbacks import reliability, run_store, shutdown, watchdog
 from moh_lightning.lightning_compat import PRIVATE_NAMES, MoHRichProgressBar
 from moh_lightning.trainer_cli import MoHLightningCLI
 
@@ -125,7 +125,8 @@ def test_no_module_but_the_compat_module_uses_a_private_lightning_or_jsonargpars
     assert found == set(), "use these through moh_lightning/lightning_compat.py"
 
 
-@pytest.mark.parametrize("module", [reliability, shutdown], ids=lambda module: module.__name__.rpartition(".")[2])
+@pytest.mark.parametrize("module", [reliability, shutdown, watchdog, run_store],
+                         ids=lambda module: module.__name__.rpartition(".")[2])
 def test_the_reliability_callbacks_use_no_private_lightning_name(module) -> None:
     listed = {path.rsplit(".", 1)[1] for path in PRIVATE_NAMES}
     used = _private_names_used(module) & listed

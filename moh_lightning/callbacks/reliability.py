@@ -13,7 +13,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from moh_lightning import lightning_compat as compat
-from moh_lightning.callbacks.shutdown import newest_checkpoint, say, stop_signal
+from moh_lightning.callbacks.shutdown import say, stop_signal
+from moh_lightning.callbacks.watchdog import newest_checkpoint
 from moh_lightning.data.loaders import saved_worker_count
 
 

@@ -10,8 +10,9 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from moh_lightning.data.image_transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceAugment, normalisation
-from moh_lightning.data.images import PredictFolder, WorkerRandomState
 from moh_lightning.data.loaders import train_loader
+from moh_lightning.data.predict_folder import PredictFolder
+from moh_lightning.data.worker_random import WorkerRandomState
 from moh_lightning.errors import MissingDataError
 
 

@@ -21,8 +21,9 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from moh_lightning.data.cache import build_entry, content_hash, entry_name, file_stats, is_current, write_fingerprint
-from moh_lightning.data.images import WorkerRandomState, load_mnist_5k
+from moh_lightning.data.digits import load_mnist_5k
 from moh_lightning.data.loaders import train_loader
+from moh_lightning.data.worker_random import WorkerRandomState
 
 SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215

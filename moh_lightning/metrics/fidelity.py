@@ -108,7 +108,7 @@ def load_images(source: str, key: str = "samples") -> np.ndarray:
     ``mnist`` is the training split of the embedded digits, padded to 32x32 as the diffusion task sees them.
     """
     if source == "mnist":
-        from moh_lightning.data.images import load_mnist_5k
+        from moh_lightning.data.digits import load_mnist_5k
 
         digits = load_mnist_5k()["train"][0]
         return np.pad(digits, ((0, 0), (2, 2), (2, 2)))[..., None].repeat(3, axis=-1)

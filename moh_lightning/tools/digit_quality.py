@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_features_to_statistics, fid_statistics_to_metric
 
+from moh_lightning.data.digits import load_mnist_5k
 from moh_lightning.data.image_transforms import MNIST_MEAN, MNIST_STD
-from moh_lightning.data.images import load_mnist_5k
 
 
 def _classifier_inputs(images: np.ndarray) -> torch.Tensor:

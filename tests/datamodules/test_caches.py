@@ -109,17 +109,17 @@ def test_tokenizer_retrained_in_place_is_another_entry(tmp_path):
 
 
 def _build_at_the_same_time(corpus: str, cache: str, barrier) -> None:
-    import moh_lightning.data.text as text
+    import moh_lightning.data.token_arrays as token_arrays
 
-    encode = text.encode
+    encode = token_arrays.encode
 
     def in_step(*args):  # both processes are inside their build before either publishes it
         barrier.wait(timeout=60)
-        text.encode = encode
+        token_arrays.encode = encode
         return encode(*args)
 
-    text.encode = in_step
-    text.tokenize_source(text.TextSource(path=corpus), "byte", Path(cache))
+    token_arrays.encode = in_step
+    token_arrays.tokenize_source(token_arrays.TextSource(path=corpus), "byte", Path(cache))
 
 
 @pytest.mark.slow  # two fresh interpreters import torch

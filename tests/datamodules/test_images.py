@@ -11,7 +11,8 @@ from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as T
 
-from moh_lightning.data.images import DIGIT_WORDS, ImageFolderDataModule, MNISTDataModule, write_digits_folder
+from moh_lightning.data.digits import DIGIT_WORDS, write_digits_folder
+from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule
 from moh_lightning.errors import MissingDataError
 
 SWITCHES = ("crop_scale", "hflip", "mean", "std", "auto_augment", "re_prob", "interpolation", "crop_pct", "in_chans")

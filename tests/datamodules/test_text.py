@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from transformers import PreTrainedTokenizerFast
 
 from moh_lightning.cli import main as moh
@@ -29,6 +30,14 @@ def test_single_file_splits_by_tokens_by_default(tmp_path):
     # train then validation is the document (plus its EOS) in order: one contiguous held-out block at the end
     assert np.concatenate([train, val]).tolist() == [*whole.tolist(), 1]
     assert len(val) == int(np.ceil((len(whole) + 1) * 0.1))
+
+
+def test_a_source_saved_under_its_name_before_the_split_still_loads(tmp_path, monkeypatch):
+    source = TextSource(path="corpus.txt", weight=2.0)
+    monkeypatch.setattr(TextSource, "__module__", "moh_lightning.data.text")  # where checkpoints before it name it
+    torch.save({"sources": [source]}, tmp_path / "old.ckpt")
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "old.ckpt", weights_only=True)["sources"] == [source]
 
 
 def test_split_rules(tmp_path):

@@ -28,8 +28,7 @@ from test_exact_resume import RUN, VIT, _assert_same_run
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
-from moh_lightning.callbacks import RunShutdown
-from moh_lightning.callbacks import shutdown as watchdog
+from moh_lightning.callbacks import RunShutdown, run_store, watchdog
 from moh_lightning.lightning_compat import collective_timeout
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -219,7 +218,7 @@ def test_the_watchdog_idles_at_zero_cpu(monkeypatch, with_store):
     # A short poll interval puts the test past several poll times within seconds.
     monkeypatch.setattr(watchdog, "_POLL_S", 0.2)
     trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=None), interrupted=False)
-    watch = watchdog._Watch(trainer, grace_period=20.0)
+    watch = watchdog.Watch(trainer, grace_period=20.0)
     try:
         if with_store:
             with socket.socket() as free:
@@ -248,9 +247,9 @@ class _SlowStore:
 def test_a_store_that_answers_late_is_not_taken_for_a_lost_rank_0():
     # Under full load rank 0 may answer a poll after the client's timeout: that rank is slow, not gone (a lost
     # node's connections close at once), and taking it for gone ended a healthy rank with exit code 1.
-    with pytest.raises(watchdog._NoAnswerYet):
-        watchdog._ended_elsewhere(_SlowStore(RuntimeError("Socket Timeout")), leaving=False)
+    with pytest.raises(run_store.NoAnswerYet):
+        run_store.ended_elsewhere(_SlowStore(RuntimeError("Socket Timeout")), leaving=False)
     closed = RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
-    gone = watchdog._ended_elsewhere(_SlowStore(closed), leaving=False)
+    gone = run_store.ended_elsewhere(_SlowStore(closed), leaving=False)
     assert gone == "rank 0, which holds the run's store, is gone"
-    assert watchdog._ended_elsewhere(_SlowStore(closed), leaving=True) is None
+    assert run_store.ended_elsewhere(_SlowStore(closed), leaving=True) is None

@@ -11,7 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from moh_lightning.cli import main
 from moh_lightning.configs import config_dir, resolve_config
-from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule, load_mnist_5k
+from moh_lightning.data.digits import load_mnist_5k
+from moh_lightning.data.images import ImageFolderDataModule, MNISTDataModule
 from moh_lightning.layers import activated_head_fraction
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.vit import ViTConfig, create_vit

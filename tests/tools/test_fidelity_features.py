@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from moh_lightning.cli import main
-from moh_lightning.data.images import DIGIT_WORDS, write_digits_folder
+from moh_lightning.data.digits import DIGIT_WORDS, write_digits_folder
 from moh_lightning.models.vit import ViTConfig, create_vit
 from moh_lightning.tasks import ImageClassifier
 from moh_lightning.tasks.checkpoints import write_checkpoint

@@ -9,7 +9,7 @@ import torch
 from conftest import run_checkpoints
 
 from moh_lightning.cli import main
-from moh_lightning.data.images import DIGIT_WORDS, write_digits_folder
+from moh_lightning.data.digits import DIGIT_WORDS, write_digits_folder
 
 FEW_STEPS = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
              "--trainer.enable_progress_bar", "false", "--trainer.callbacks+=null"]
