@@ -10,12 +10,12 @@ against this padded call's 38 ms: a call per head 131 ms, nested jagged tensors 
 
 Causal attention cannot use SDPA's ``is_causal`` on gathered queries (a query's slot is not its position).
 Its slots are laid out in blocks of ``CAUSAL_BLOCK`` positions, each padded to its largest count over (batch, head)
-(``_slot_layout``). On CPU (no dropout, no extra mask, as many key heads as query heads) the keys before a block's
+(``slot_layout``). On CPU (no dropout, no extra mask, as many key heads as query heads) the keys before a block's
 first position are visible to every query of the block and go through one unmasked flash-attention call, and only
 the staircase inside the block is cut into ``CAUSAL_CHUNK`` rows with a positional float mask; the parts are merged
 through their log-sum-exp, and backward runs the flash kernel's own backward on each part with the merged output
-(``_CausalStaircase``). Elsewhere the slots are cut into chunks that each attend to every key up to their last
-position with the mask (``_causal_chunks``). The block widths and the chunk plan cost one host read per layer (the
+(``CausalStaircase``). Elsewhere the slots are cut into chunks that each attend to every key up to their last
+position with the mask (``causal_chunks``). The block widths and the chunk plan cost one host read per layer (the
 sparse path's only data-dependent sizes).
 
 A single decoding token (KV cache) reads only the cache rows of its selected heads. On CPU that is one pair of
@@ -32,7 +32,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from moh_lightning.layers import head_sparse_causal
+from moh_lightning.layers.head_sparse_causal import (
+    FLASH_CPU,
+    CausalStaircase,
+    causal_bias,
+    causal_chunks,
+    combine_masks,
+    gather_slots,
+    slot_index,
+    slot_layout,
+)
 
 # Where the head-sparse path wins, measured on CPU by `moh bench` (2 shared of 8 heads of 64, random routing): from
 # ~512 queries at <= 75% active heads (at 256 it breaks even, at 7 of 8 heads gathering costs what the skipped head
@@ -46,24 +57,6 @@ MAX_SPARSE_FRACTION = 0.8
 # 50% 1.09-1.28x from 4096 to 16384 keys (at 2048 0.95x in one run, 1.19x in another), 75% 0.79-0.90x. More
 # threads are unmeasured: dense.
 SPARSE_DECODE = {1: ((2048, 0.75), (4096, 0.9)), 2: ((4096, 0.5),)}
-# Rows of gathered queries per causal chunk: smaller chunks waste less of each chunk's diagonal block,
-# larger ones make fewer SDPA calls.
-CAUSAL_CHUNK = 64
-# Positions per block of causal slots, whose keys before the block take one unmasked call (CPU causal path):
-# smaller blocks shrink the masked staircase, larger ones the padding to each block's largest count.
-CAUSAL_BLOCK = 512
-# Keys per backward call over a block's unmasked keys: bounds the key / value gradient temporaries.
-STAIRCASE_KEYS = 1024
-
-_aten = torch.ops.aten
-_FLASH_CPU = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-_SDPA_KERNELS = tuple(getattr(_aten, name).default for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-) if hasattr(_aten, name))
-
-
 def use_head_sparse(execution: str, num_queries: int, num_keys: int, active_fraction: float,
                     decoding: bool, device_type: str = "cpu") -> bool:
     """Whether to run the head-sparse path: forced by ``execution``, else chosen from the shapes.
@@ -167,29 +160,15 @@ def attend_all_queries(q, k, v, head_mask, causal, offset, key_bias, dropout_p) 
     length, num_keys = q.shape[2], k.shape[2]
     if causal and key_bias is None and head_mask is None and offset == 0 and length == num_keys:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
-    mask = _combine(head_mask, key_bias)
+    mask = combine_masks(head_mask, key_bias)
     if causal:
         positions = torch.arange(length, device=q.device) + offset
-        mask = _combine(mask, _causal_bias(positions, num_keys, q.dtype))
+        mask = combine_masks(mask, causal_bias(positions, num_keys, q.dtype))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=True)
 
 
-def _combine(mask: torch.Tensor | None, other: torch.Tensor | None) -> torch.Tensor | None:
-    if mask is None or other is None:
-        return other if mask is None else mask
-    return mask + other
 
 
-def _causal_bias(positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """(..., L, num_keys) float mask letting the query at each position see the keys at or before it.
-
-    Built arithmetically, min(max(key - position, 0), 1) * the dtype's lowest value, which is 4x faster on
-    CPU than comparing and selecting; a finite lowest value masks exactly like -inf because every query sees
-    at least itself. Positions are compared in fp32, exact up to 2^24.
-    """
-    keys = torch.arange(num_keys, device=positions.device, dtype=torch.float32)
-    bias = (keys - positions[..., None].float()).clamp_(0, 1).mul_(torch.finfo(dtype).min)
-    return bias.to(dtype)
 
 
 def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_p):
@@ -197,7 +176,8 @@ def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_
     (None when no token selected any routed head)."""
     num_routed, length = q.shape[1], q.shape[2]
     selected = (gates != 0).transpose(1, 2)                                        # (B, E, N)
-    positions, real, widths, chunk_last = _slot_layout(selected, CAUSAL_BLOCK if causal else length, causal)
+    block = head_sparse_causal.CAUSAL_BLOCK if causal else length
+    positions, real, widths, chunk_last = slot_layout(selected, block, causal)
     values = torch.cat([widths, chunk_last]).tolist()                              # the one host read
     widths, chunk_last = values[:len(widths)], values[len(widths):]
     width = sum(widths)
@@ -205,205 +185,22 @@ def _attend_routed(q, k, v, gates, head_mask, causal, offset, key_bias, dropout_
         return None
     positions, real = positions[..., :width], real[..., :width]                     # (B, E, L)
 
-    sequence, head = _slot_index(q)
+    sequence, head = slot_index(q)
     mask = None if head_mask is None else head_mask[sequence, head, positions]     # (B, E, L, M)
-    mask = _combine(mask, key_bias)
+    mask = combine_masks(mask, key_bias)
     if causal:
-        plan = _causal_plan(widths, chunk_last, offset, k.shape[2])
-    if causal and (_FLASH_CPU is not None and q.device.type == "cpu" and mask is None and dropout_p == 0.0
+        plan = head_sparse_causal.causal_plan(widths, chunk_last, offset, k.shape[2])
+    if causal and (FLASH_CPU is not None and q.device.type == "cpu" and mask is None and dropout_p == 0.0
                    and k.shape[1] == num_routed):
-        out = _CausalStaircase.apply(q, k, v, positions, offset, plan)
+        out = CausalStaircase.apply(q, k, v, positions, offset, plan)
     elif causal:
         chunks = [chunk for *_, block_chunks in plan for chunk in block_chunks]
-        out = _causal_chunks(_gather_slots(q, positions), k, v, positions + offset, mask, dropout_p, chunks)
+        out = causal_chunks(gather_slots(q, positions), k, v, positions + offset, mask, dropout_p, chunks)
     else:
-        out = F.scaled_dot_product_attention(_gather_slots(q, positions), k, v, attn_mask=mask, dropout_p=dropout_p,
+        out = F.scaled_dot_product_attention(gather_slots(q, positions), k, v, attn_mask=mask, dropout_p=dropout_p,
                                              enable_gqa=True)
     out = out * gates[sequence, positions, head][..., None]
     return torch.where(real, positions, length), out                              # token rows (N = dump), outputs
-
-
-def _slot_layout(selected: torch.Tensor, block: int, chunked: bool):
-    """Where each (sequence, routed head) puts its selected queries: slots in blocks of ``block`` positions.
-
-    Block j holds the queries at positions [j * block, (j + 1) * block) in order, in as many slots as the largest
-    count there over (sequence, head); the other sequences and heads pad it with the block's last position (never
-    fully masked), whose outputs go to the dump row N. Aligned on positions, every query of a causal block sees the
-    keys before the block, one range for all. Laid out over all N slots (the blocks' widths sum to at most N), so
-    that the widths and the causal chunk plan come back in one host read.
-
-    Returns the token row of each slot (B, E, N), whether the slot is a selected query (B, E, N), the blocks' widths
-    (num_blocks,) and, when ``chunked``, per chunk of ``CAUSAL_CHUNK`` slots of each block the last selected position
-    (-1 if none).
-    """
-    batch, heads, length = selected.shape
-    num_blocks, chunks_per_block = -(-length // block), -(-block // CAUSAL_CHUNK)
-    device = selected.device
-    rank = F.pad(selected, (0, num_blocks * block - length)).view(batch, heads, num_blocks, block).cumsum(-1) - 1
-    widths = rank[..., -1].amax(dim=(0, 1)) + 1                                   # (num_blocks,)
-    block_ends = widths.cumsum(0)
-    slot = ((block_ends - widths)[:, None] + rank).flatten(-2)[..., :length]     # (B, E, N) where selected
-    target = torch.where(selected, slot, length)                                  # N: the dump column
-    tokens = torch.arange(length, device=device).expand_as(target)
-    block_of_slot = torch.searchsorted(block_ends, torch.arange(length + 1, device=device), right=True)
-    padding = ((block_of_slot + 1) * block).clamp(max=length) - 1                 # (N + 1,)
-    positions = padding.expand(batch, heads, length + 1).scatter(-1, target, tokens)[..., :length]
-    real = selected.new_zeros(batch, heads, length + 1).scatter(-1, target, selected)[..., :length]
-    chunk = (torch.arange(num_blocks, device=device)[:, None] * chunks_per_block
-             + rank.clamp(min=0) // CAUSAL_CHUNK).flatten(-2)[..., :length]
-    chunk_last = torch.full((num_blocks * chunks_per_block,), -1, device=device).scatter_reduce(
-        0, chunk.flatten(), torch.where(selected, tokens, -1).flatten(), "amax") if chunked else widths[:0]
-    return positions, real, widths, chunk_last
-
-
-def _causal_plan(widths: list[int], chunk_last: list[int], offset: int, num_keys: int) -> list:
-    """[(first slot, end slot, first position, [(chunk start, chunk end, key end), ...]), ...] per nonempty block of
-    ``_slot_layout``: the chunks of ``CAUSAL_CHUNK`` slots and the keys their latest query sees."""
-    plan, start = [], 0
-    chunks_per_block = -(-CAUSAL_BLOCK // CAUSAL_CHUNK)
-    for block, width in enumerate(widths):
-        chunks = [(start + s, start + min(s + CAUSAL_CHUNK, width),
-                   min(chunk_last[block * chunks_per_block + s // CAUSAL_CHUNK] + offset + 1, num_keys))
-                  for s in range(0, width, CAUSAL_CHUNK)]
-        if chunks:
-            plan.append((start, start + width, block * CAUSAL_BLOCK + offset, chunks))
-        start += width
-    return plan
-
-
-def _causal_chunks(q_sel, k, v, positions, mask, dropout_p, plan) -> torch.Tensor:
-    """Causal SDPA of gathered queries by the chunks of slots of ``plan``, each over the keys its latest query sees."""
-    chunks = []
-    for s, e, num_keys in plan:
-        chunk_mask = None if mask is None else mask[..., s:e, :num_keys] if mask.shape[-2] > 1 \
-            else mask[..., :num_keys]
-        chunks.append((s, e, num_keys, positions[..., s:e], chunk_mask))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_sel, k, v)):
-        return _CausalChunks.apply(q_sel, k, v, chunks, dropout_p)
-    return torch.cat([_causal_chunk(q_sel[:, :, s:e], k[:, :, :n], v[:, :, :n], pos, m, dropout_p)
-                      for s, e, n, pos, m in chunks], dim=2)
-
-
-class _CausalStaircase(torch.autograd.Function):
-    """Causal attention of gathered queries (CPU flash kernel): per block of ``_slot_layout``, the keys before the
-    block's first position in one unmasked call, the staircase after it by ``CAUSAL_CHUNK`` rows with a positional
-    mask, merged through their log-sum-exp.
-
-    Against chunks that each attend to every key up to their last position (``_causal_chunks``), most of the work
-    runs in large unmasked calls, where the CPU kernel is fastest, and the masks shrink to the staircase. The
-    backward is the flash kernel's own, called for each part with the merged output and log-sum-exp (the
-    decomposition ring attention uses), so nothing but the merged output and its log-sum-exp is kept; the masks are
-    rebuilt. ``k`` and ``v`` have one head per query head; no dropout, no other mask.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, slots, offset, plan):
-        q_sel = _gather_slots(q, slots)                                           # (B, E, L, d), not kept
-        positions = slots + offset
-        out = q_sel.new_empty(q_sel.shape)
-        lse = q_sel.new_empty(q_sel.shape[:3], dtype=torch.float32)
-        for s0, e0, first, chunks in plan:
-            for s, e, end in chunks:
-                out[:, :, s:e], lse[:, :, s:e] = _FLASH_CPU(
-                    q_sel[:, :, s:e], k[:, :, first:end], v[:, :, first:end],
-                    attn_mask=_causal_bias(positions[..., s:e] - first, end - first, q_sel.dtype))
-            if first > 0:                                  # keys every query of the block sees
-                bulk_out, bulk_lse = _FLASH_CPU(q_sel[:, :, s0:e0], k[:, :, :first], v[:, :, :first])
-                stair_out, stair_lse = out[:, :, s0:e0], lse[:, :, s0:e0]
-                merged = torch.logaddexp(bulk_lse, stair_lse)
-                out[:, :, s0:e0] = (bulk_out * (bulk_lse - merged).exp()[..., None].to(out.dtype)
-                                    + stair_out * (stair_lse - merged).exp()[..., None].to(out.dtype))
-                lse[:, :, s0:e0] = merged
-        ctx.plan = plan
-        ctx.offset = offset
-        ctx.save_for_backward(q, k, v, slots, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, slots, out, lse = ctx.saved_tensors
-        q_sel, positions = _gather_slots(q, slots), slots + ctx.offset
-        grad = grad.contiguous()
-        dq, dk, dv = torch.zeros_like(q_sel), torch.zeros_like(k), torch.zeros_like(v)
-        for s0, e0, first, chunks in ctx.plan:
-            calls = [(s, e, first, end, _causal_bias(positions[..., s:e] - first, end - first, q_sel.dtype))
-                     for s, e, end in chunks]
-            # The unmasked keys in pieces: any split of the keys gives the same gradients with the merged
-            # log-sum-exp, and a piece's key / value gradients are the only full-width temporaries of backward.
-            calls += [(s0, e0, a, min(a + STAIRCASE_KEYS, first), None) for a in range(0, first, STAIRCASE_KEYS)]
-            for s, e, key_start, key_end, mask in calls:
-                gq, gk, gv = _FLASH_CPU_BACKWARD(
-                    grad[:, :, s:e], q_sel[:, :, s:e], k[:, :, key_start:key_end], v[:, :, key_start:key_end],
-                    out[:, :, s:e], lse[:, :, s:e], 0.0, False, attn_mask=mask)
-                dq[:, :, s:e] += gq
-                dk[:, :, key_start:key_end] += gk
-                dv[:, :, key_start:key_end] += gv
-        ctx.plan = None
-        sequence, head = _slot_index(q)
-        grad_q = torch.zeros_like(q).index_put_((sequence, head, slots), dq, accumulate=True)
-        return grad_q, dk, dv, None, None, None
-
-
-def _slot_index(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.arange(q.shape[0], device=q.device)[:, None, None],
-            torch.arange(q.shape[1], device=q.device)[None, :, None])
-
-
-def _gather_slots(q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(B, E, N, d) queries at the slots' token rows (B, E, L): (B, E, L, d).
-
-    Advanced indexing, not gather: gather is 5x slower on the strided q/k/v views of the qkv output.
-    """
-    return q[(*_slot_index(q), slots)]
-
-
-class _CausalChunks(torch.autograd.Function):
-    """The chunks of ``_causal_chunks`` with their key / value gradients summed in place.
-
-    Left to autograd, every chunk's slice of the keys and values would get a full-size zero gradient to
-    add up (40% of the backward at N = 1024). Here each chunk runs its own graph on detached inputs and
-    backward adds the chunk gradients into one buffer. Within a chunk only SDPA's outputs are kept: its
-    (B, E, rows, keys) mask is rebuilt in backward instead of living until then.
-    """
-
-    @staticmethod
-    def forward(ctx, q_sel, k, v, chunks, dropout_p):
-        graphs, outs = [], []
-        with torch.enable_grad():
-            for s, e, num_keys, positions, mask in chunks:
-                inputs = tuple(t.detach().requires_grad_() for t in
-                               (q_sel[:, :, s:e], k[:, :, :num_keys], v[:, :, :num_keys]))
-                out = checkpoint(_causal_chunk, *inputs, positions, mask, dropout_p, use_reentrant=False,
-                                 context_fn=_recompute_all_but_sdpa)
-                graphs.append((s, e, num_keys, inputs, out))
-                outs.append(out.detach())
-        ctx.graphs = graphs
-        ctx.shapes = (q_sel.shape, k.shape, v.shape)
-        return torch.cat(outs, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dq, dk, dv = (grad.new_zeros(shape) for shape in ctx.shapes)
-        for s, e, num_keys, inputs, out in ctx.graphs:
-            gq, gk, gv = torch.autograd.grad(out, inputs, grad[:, :, s:e])
-            dq[:, :, s:e] = gq
-            dk[:, :, :num_keys] += gk
-            dv[:, :, :num_keys] += gv
-        ctx.graphs = None
-        return dq, dk, dv, None, None
-
-
-def _causal_chunk(q, k, v, positions, mask, dropout_p) -> torch.Tensor:
-    bias = _combine(mask, _causal_bias(positions, k.shape[2], q.dtype))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, enable_gqa=True)
-
-
-def _save_sdpa_only(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SDPA_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _recompute_all_but_sdpa():
-    return create_selective_checkpoint_contexts(_save_sdpa_only)
 
 
 def _decode_pairs(q, k, v, gates, kv_group, key_bias) -> torch.Tensor:

@@ -192,13 +192,13 @@ def test_auto_chooses_from_shapes(threads):
 def test_causal_staircase_blocks_equal_dense_and_mask(monkeypatch, length, num_keys):
     """The CPU causal path over several blocks: the keys before each block's first position in one unmasked call,
     the staircase by chunks, merged by log-sum-exp; forward and the flash kernel's backward per part."""
-    import moh_lightning.layers.head_sparse_attention as hsa
+    from moh_lightning.layers import head_sparse_causal
 
-    monkeypatch.setattr(hsa, "CAUSAL_CHUNK", 16)
-    monkeypatch.setattr(hsa, "CAUSAL_BLOCK", 96)
+    monkeypatch.setattr(head_sparse_causal, "CAUSAL_CHUNK", 16)
+    monkeypatch.setattr(head_sparse_causal, "CAUSAL_BLOCK", 96)
     plans = []
-    plan = hsa._causal_plan
-    monkeypatch.setattr(hsa, "_causal_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    plan = head_sparse_causal.causal_plan
+    monkeypatch.setattr(head_sparse_causal, "causal_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
     generator = torch.Generator().manual_seed(6)
     q = torch.randn(2, 8, length, 16, generator=generator, requires_grad=True)
     k, v = (torch.randn(2, 8, num_keys, 16, generator=generator, requires_grad=True) for _ in range(2))
