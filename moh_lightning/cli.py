@@ -8,11 +8,14 @@ integration missing for a command is one line naming the extra that installs it.
 from __future__ import annotations
 
 import difflib
+import errno
 import functools
 import importlib
 import logging
+import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -122,13 +125,51 @@ class _DropMatching(logging.Filter):
         return re.match(self.pattern, str(record.msg)) is None
 
 
+def user_error(command: str, error: BaseException) -> str | None:
+    """The one line for an error caused by what the user gave (a value, a file, a folder, a permission, a full disk,
+    an extra not installed), None for any other error: a bug, which keeps its traceback."""
+    from moh_lightning.serialization import UnsafeCheckpointError
+
+    if isinstance(error, ImportError) and not isinstance(error, MissingExtraError):
+        error = missing_extra(error) or error
+    if isinstance(error, MissingExtraError):
+        return f"moh {command}: {error}"
+    if isinstance(error, (UsageError, UnsafeCheckpointError)):
+        return f"moh: {error}"
+    if isinstance(error, OSError) and error.filename is not None:
+        what = {errno.ENOSPC: "no space left on the device; free some or write elsewhere",
+                errno.EDQUOT: "over the disk quota; free some space or write elsewhere",
+                errno.EACCES: "permission denied; choose a path you can write to or change its permissions",
+                errno.EPERM: "not permitted; choose a path you can write to",
+                errno.EROFS: "a read-only file system; write elsewhere",
+                errno.ENOENT: "no such file or folder; check the path",
+                errno.EISDIR: "a folder where a file is expected; give a file",
+                errno.ENOTDIR: "a file where a folder is expected; give a folder"}.get(error.errno)
+        return f"moh {command}: {error.filename}: {what or error.strerror}" if what or error.strerror else None
+    return None
+
+
+def _debugging(given: list[str]) -> bool:
+    """``MOH_DEBUG=1`` or ``--debug``: every error with its traceback. The flag is taken off the command line, and the
+    variable set, so the processes a run starts (DDP's, a sweep's trials) show theirs too."""
+    if "--debug" in given:
+        given.remove("--debug")
+        if "--debug" in sys.argv:
+            sys.argv.remove("--debug")
+        os.environ["MOH_DEBUG"] = "1"
+    return os.environ.get("MOH_DEBUG", "").lower() in ("1", "true", "yes", "on")
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``moh``; ``args`` replaces ``sys.argv[1:]`` so tests drive it from Python.
 
-    ``moh``, ``moh -h`` and ``moh --help`` list the commands; an unknown command, a user's mistake (``UsageError``), a
-    checkpoint refused for what its pickle names and an extra that is not installed stop in one line.
+    ``moh``, ``moh -h`` and ``moh --help`` list the commands. The one boundary for errors: an unknown command and
+    anything the user gave that cannot work stop in one line and a non-zero exit; any other error is a bug, shown with
+    its traceback and a line saying so; ``MOH_DEBUG=1`` or ``--debug`` shows every traceback.
     """
     given = list(sys.argv[1:] if args is None else args)
+    debug = _debugging(given)
+    args = None if args is None else given
     if given[:1] in (["-h"], ["--help"]):
         print(commands_help())
         return
@@ -137,32 +178,31 @@ def main(args: Sequence[str] | None = None) -> None:
     if not given[0].startswith("-") and given[0] not in COMMANDS:
         raise SystemExit(unknown_command(given[0]))
     quiet_third_party()
+    command = given[0] if given[0] in COMMANDS else "fit"
     try:
-        if given[0] in TOOLS:
+        if command in TOOLS:
             from jsonargparse import CLI
 
             from moh_lightning.cli_args import resolve_config_args
+            from moh_lightning.cli_errors import OneLineToolParser
 
-            CLI(target(TOOLS[given[0]]), args=resolve_config_args(given[1:]), as_positional=False)
+            CLI(target(TOOLS[command]), args=resolve_config_args(given[1:]), as_positional=False,
+                parser_class=OneLineToolParser, prog=f"moh {command}")
         else:
             from moh_lightning.trainer_cli import MoHLightningCLI
 
             MoHLightningCLI(args=args)  # None: Lightning's DDP launcher starts each further process from sys.argv
-    except MissingExtraError as error:
-        raise SystemExit(f"moh {given[0]}: {error}") from None
-    except UsageError as error:
-        raise SystemExit(f"moh: {error}") from None
-    except ImportError as error:
-        extra = missing_extra(error)
-        if extra is None:
-            raise
-        raise SystemExit(f"moh {given[0]}: {extra}") from None
-    except Exception as error:
-        from moh_lightning.serialization import UnsafeCheckpointError
-
-        if isinstance(error, UnsafeCheckpointError):
-            raise SystemExit(f"moh: {error}") from None
+    except (SystemExit, KeyboardInterrupt):
         raise
+    except Exception as error:
+        line = user_error(command, error)
+        if debug:
+            raise
+        if line is not None:
+            raise SystemExit(line) from None
+        traceback.print_exc()
+        raise SystemExit(f"moh {command}: an unexpected {type(error).__name__}: this is a bug in moh-lightning; "
+                         f"please report it with the traceback above (MOH_DEBUG=1 shows every error's).") from None
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """jsonargparse's error reports (usage text, nested union and subclass reports) as the one line ``moh`` prints."""
 from __future__ import annotations
 
+import os
 import re
 
+from jsonargparse import ArgumentParser
 
-def one_line_error(message: str) -> str:
-    """A jsonargparse error report as one line naming the key and what to do."""
+
+def one_line_error(message: str, listing: str = "moh fit --config <yaml> --print_config") -> str:
+    """A jsonargparse error report as one line naming the key and what to do; ``listing`` is the command that lists
+    the valid keys."""
     unknown = re.search(r"unrecognized arguments: (\S+?)(?:=|\s|$)|Option '([^']+)' is not accepted", message)
     if unknown:
         # Inside a subclass the report names the group ("model"), then each nested group within its init_args
@@ -17,15 +21,46 @@ def one_line_error(message: str) -> str:
             field, _, value = name.partition(":")
             return (f"unknown config key {key!r}: in YAML a key takes its value after a colon and a space, so write "
                     f"'{field}: {value}' (a space after the colon).")
-        return (f"unknown config key {key!r}: check its spelling and level against `moh fit --config <yaml> "
-                f"--print_config` (keys are not abbreviated).")
+        return (f"unknown config key {key!r}: check its spelling and level against `{listing}` (keys are not "
+                f"abbreviated).")
     # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
     keys = re.findall(r'Parser key "([^"]+)"', message)
     lines = [line.strip(" -") for line in message.splitlines() if line.strip(" -")]
     reasons = [line for line in lines if not re.match(r"(Parser key|Does not validate|Subtypes|Errors|Given value"
                                                       r"|Expected a <class 'NoneType'>|Problem with given)", line)]
-    reason = " ".join(reasons or lines)
+    reason = _restriction(" ".join(reasons or lines))
     if keys:
         return f"config key {'.init_args.'.join(keys)!r}: {reason}"
     built = re.search(r"class_path='(?:\w+\.)*(\w+)'", message)
     return f"{built.group(1)}: {reason}" if built else reason
+
+
+def debugging() -> bool:
+    """Whether every error should show its full report: ``MOH_DEBUG`` or jsonargparse's own debug switch."""
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in ("MOH_DEBUG",
+                                                                                          "JSONARGPARSE_DEBUG"))
+
+
+class OneLineToolParser(ArgumentParser):
+    """A tool's parser whose errors are one line naming the key, not usage text and nested reports; abbreviated
+    options are errors too (argparse would read ``--num_sample`` as ``--num_samples``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or debugging():  # jsonargparse catches these errors itself
+            super().error(message, ex)
+        raise SystemExit(f"{self.prog}: {one_line_error(message, f'{self.prog} --help')}")
+
+
+def _restriction(reason: str) -> str:
+    """jsonargparse's report on a restricted number type ("Not of type PositiveInt: -5 does not conform to restriction
+    v>0") as what the value must be ("-5 given; it must be > 0")."""
+    found = re.search(r"Not of type \w+: (\S*) ?does not conform to restriction (v[^E]*?)\s*"
+                      r"(?:Expected a typing\.Literal\[(.+?)\].*)?$", reason)
+    if found is None:
+        return reason
+    given, rule, also = found.groups()
+    rule = re.sub(r"v([<>]=?)", r"\1 ", rule)
+    return reason[:found.start()] + f"{given or 'the value'} given; it must be {rule}" + (f" or {also}" if also else "")

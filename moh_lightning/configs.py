@@ -47,14 +47,38 @@ def _chain(value: str, seen: tuple[str, ...] = ()) -> list[tuple[str, dict, bool
     path = resolve_config(value, beside=Path(seen[-1]).parent if seen else None)
     if path in seen:
         raise SystemExit(f"moh: config {path} extends itself (through {' -> '.join(seen)}).")
-    content = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(content, dict) or "extends" not in content:
+    content = read_config_file(path)
+    if "extends" not in content:
         return [(path, content, False)]
     bases = content.pop("extends")
+    if not (isinstance(bases, str) or isinstance(bases, list) and all(isinstance(b, str) for b in bases)):
+        raise SystemExit(f"moh: config {path}: extends={bases!r}: give a config name or a list of them "
+                         f"(extends: recipes/vit_mnist.yaml).")
     out = []
     for base in [bases] if isinstance(bases, str) else bases:
         out += _chain(base, (*seen, path))
     return out + [(path, content, True)]
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file's keys; a file that is not a YAML mapping stops in one line naming it and where it breaks."""
+    try:
+        content = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise SystemExit(f"moh: config {path}: not a text file; give a YAML config.") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise SystemExit(f"moh: config {path}: not valid YAML{where} ({problem}); fix it there.") from None
+    except OSError as error:
+        raise SystemExit(f"moh: config {path}: cannot read it ({error.strerror}).") from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise SystemExit(f"moh: config {path}: holds a {type(content).__name__}, not keys; a config is a YAML mapping "
+                         f"(trainer:, model:, data:).")
+    return content
 
 
 def expand_config(value: str) -> list[str]:

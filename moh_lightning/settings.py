@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from moh_lightning.serialization import load_file
+from moh_lightning.serialization import UnsafeCheckpointError, load_file
 from moh_lightning.tasks.checkpoints import checkpoint_task
 
 #: Sizes the data module passes to the network (``link_arguments``): a difference there is the data's key.
@@ -44,7 +44,14 @@ def checkpoint_settings(subcommand: str, ckpt_path: str, class_path: str | None)
     if not Path(ckpt_path).is_file():
         raise SystemExit(f"moh {subcommand}: --ckpt_path {ckpt_path}: no such file; give a .ckpt written by `moh fit` "
                          f"(or `last`, this run name's newest).")
-    raw = load_file(ckpt_path, mmap=True)  # refuses, in one line, a file whose pickle names a type
+    try:
+        raw = load_file(ckpt_path, mmap=True)  # refuses, in one line, a file whose pickle names a type
+    except UnsafeCheckpointError:
+        raise
+    except Exception as error:  # the zip reader, the unpickler and a truncated file raise different types
+        raise SystemExit(f"moh {subcommand}: --ckpt_path {ckpt_path} does not load as a checkpoint "
+                         f"({type(error).__name__}: it is empty, truncated or not a torch file); give a .ckpt written "
+                         f"by `moh fit`.") from None
     hparams = raw.get("hyper_parameters") if isinstance(raw, dict) else None
     kind = checkpoint_task(raw) if isinstance(hparams, dict) and isinstance(raw.get("state_dict"), dict) else "unknown"
     yours = str(class_path or "").rpartition(".")[2]

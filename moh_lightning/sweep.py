@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from jsonargparse.typing import NonNegativeFloat, PositiveInt
 from lightning.pytorch import Callback
 from ray import tune
 
@@ -74,9 +75,9 @@ def sweep(
         out: str | None = None,
         baseline: dict[str, Any] | None = None,
         address: str | None = None,
-        max_concurrent: int = 1,
-        cpus_per_trial: int | None = None,
-        gpus_per_trial: float = 0,
+        max_concurrent: PositiveInt = 1,
+        cpus_per_trial: PositiveInt | None = None,
+        gpus_per_trial: NonNegativeFloat = 0,
         retry_failed: bool = True,
         reuse_workers: bool = True,
         extra_args: Sequence[str] = (),

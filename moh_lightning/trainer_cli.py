@@ -36,7 +36,7 @@ from moh_lightning.callbacks import (
 from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows, run_folder
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.cli_args import CONFIG_FLAGS, null_group_args, resolve_config_args, run_name
-from moh_lightning.cli_errors import one_line_error
+from moh_lightning.cli_errors import debugging, one_line_error
 from moh_lightning.cli_init_from import network_of_init_from, tokenizer_of_init_from
 from moh_lightning.errors import missing_extra
 from moh_lightning.lightning_compat import MoHRichProgressBar
@@ -72,11 +72,6 @@ TRAINER_DEFAULTS = {
 }
 
 
-def _debugging_jsonargparse() -> bool:
-    """Whether jsonargparse's documented debug switch is on (then its full reports are wanted)."""
-    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() in ("1", "true", "yes", "on")
-
-
 class OneLineErrorParser(LightningArgumentParser):
     """Parser errors as one line naming the key and what to do, instead of usage text and nested reports.
 
@@ -87,7 +82,7 @@ class OneLineErrorParser(LightningArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error or _debugging_jsonargparse():  # jsonargparse catches these errors itself
+        if not self.exit_on_error or debugging():  # jsonargparse catches these errors itself
             super().error(message, ex)
         raise SystemExit(f"moh: {one_line_error(message)}")
 

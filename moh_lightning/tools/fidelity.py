@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from jsonargparse.typing import PositiveInt
 from PIL import Image
 
 from moh_lightning.data.image_transforms import eval_transform
@@ -27,7 +28,7 @@ def fidelity(
         features: str | None = None,
         cache_name: str | None = None,
         cache_root: str | None = None,
-        batch_size: int = 50,
+        batch_size: PositiveInt = 50,
         device: str = "cpu",
         out: str | None = None,
 ) -> dict[str, float | str]:

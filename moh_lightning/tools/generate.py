@@ -1,6 +1,10 @@
 """``moh generate``: continue a prompt with a trained MoH language model."""
 from __future__ import annotations
 
+from typing import Literal
+
+from jsonargparse.typing import NonNegativeFloat, OpenUnitInterval, PositiveInt
+
 from moh_lightning.data.tokenizers import load_tokenizer
 from moh_lightning.models.hf_causal import HFCausalLM
 from moh_lightning.tasks.checkpoints import load_language_model
@@ -10,12 +14,12 @@ from moh_lightning.tasks.language_model import complete
 def generate(
         checkpoint: str | None = None,
         prompt: str = "def ",
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k_tokens: int | None = 50,
-        top_p: float = 1.0,
+        max_new_tokens: PositiveInt = 200,
+        temperature: NonNegativeFloat = 0.8,
+        top_k_tokens: PositiveInt | None = 50,
+        top_p: OpenUnitInterval | Literal[1.0] = 1.0,
         seed: int = 0,
-        num_samples: int = 1,
+        num_samples: PositiveInt = 1,
         tokenizer: str | None = None,
         hf_folder: str | None = None,
 ) -> list[str]:

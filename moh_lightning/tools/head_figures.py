@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jsonargparse.typing import PositiveInt
+
 from moh_lightning.callbacks.head_load.loads import HISTORY_FILE, LOADS_FILE, HeadLoadSnapshot
 from moh_lightning.callbacks.head_load.render import snapshot_figures
 
@@ -29,8 +31,8 @@ def _find_loads(run: Path) -> Path:
                      "(runs/<name>/version_N) whose training ran at least one validation with HeadLoadCallback.")
 
 
-def head_figures(run: str, out: str = "figs", formats: list[str] | None = None, max_groups: int = 20,
-                 layers: list[int] | None = None, dpi: int = 300) -> list[str]:
+def head_figures(run: str, out: str = "figs", formats: list[str] | None = None, max_groups: PositiveInt = 20,
+                 layers: list[int] | None = None, dpi: PositiveInt = 300) -> list[str]:
     """Renders the head-load heatmaps of a run folder as PDF / PNG figures.
 
     Args:

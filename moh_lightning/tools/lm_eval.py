@@ -17,6 +17,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from torch import nn
@@ -108,9 +109,9 @@ def lm_eval(
         checkpoint: str | None = None,
         hf_folder: str | None = None,
         tasks: list[str] | None = None,
-        num_fewshot: int | None = None,
-        batch_size: int = 8,
-        limit: float | None = None,
+        num_fewshot: NonNegativeInt | None = None,
+        batch_size: PositiveInt = 8,
+        limit: PositiveFloat | None = None,
         device: str = "cpu",
         include_path: str | None = None,
         include_defaults: bool = True,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from jsonargparse.typing import PositiveFloat, PositiveInt
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -17,15 +18,15 @@ from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, Sampler, to
 def sample(
         checkpoint: str,
         out_dir: str = "samples",
-        num_samples: int = 100,
+        num_samples: PositiveInt = 100,
         classes: list[int | str] | None = None,
-        cfg_scale: float | None = None,
+        cfg_scale: PositiveFloat | None = None,
         sampler: Sampler | None = None,
-        steps: int | None = None,
+        steps: PositiveInt | None = None,
         seed: int = 0,
-        batch_size: int = 50,
+        batch_size: PositiveInt = 50,
         vae: str | None = None,
-        latent_scale: float = 0.18215,
+        latent_scale: PositiveFloat = 0.18215,
         device: str = "cpu",
 ) -> Path:
     """Samples images from a trained ClassConditionalDiffusion checkpoint (its EMA weights).

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 from moh_lightning.tools.bench.core import core_section
 from moh_lightning.tools.bench.decode import decode_section
@@ -38,8 +39,8 @@ def default_output(name: str) -> Path:
     return Path("bench") / time.strftime("%Y-%m-%d_%H%M%S") / name
 
 
-def bench(quick: bool = False, output: str | None = None, repeats: int = 5, warmup: int = 2,
-          models: bool = True, compiled: bool = True, threads: int | None = None, clock: str = "wall",
+def bench(quick: bool = False, output: str | None = None, repeats: PositiveInt = 5, warmup: NonNegativeInt = 2,
+          models: bool = True, compiled: bool = True, threads: PositiveInt | None = None, clock: str = "wall",
           compile_backend: str = "inductor") -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
