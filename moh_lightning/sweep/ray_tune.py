@@ -246,10 +246,10 @@ def _error_text(error: BaseException) -> str:
 def _capture_trainer(stop_file: Path) -> Iterator[list]:
     """The Trainer of the ``moh fit`` that ``moh_lightning.cli.main`` runs inside this block, once fit returned; the
     fit stops when ``stop_file`` appears (``StopWhenAsked``)."""
-    from moh_lightning import cli
+    from moh_lightning import trainer_cli  # main imports the class from there when it runs
 
     captured: list = []
-    original = cli.MoHLightningCLI
+    original = trainer_cli.MoHLightningCLI
 
     class Capturing(original):
         def before_fit(self) -> None:
@@ -258,11 +258,11 @@ def _capture_trainer(stop_file: Path) -> Iterator[list]:
         def after_fit(self) -> None:
             captured.append(self.trainer)
 
-    cli.MoHLightningCLI = Capturing
+    trainer_cli.MoHLightningCLI = Capturing
     try:
         yield captured
     finally:
-        cli.MoHLightningCLI = original
+        trainer_cli.MoHLightningCLI = original
 
 
 def _trainable(config: dict, fit_config: str, runs: str, stop_file: str, cwd: str, extra_args: list[str],
