@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from hf_families import FAMILIES, save_family  # noqa: E402
 
-from moh_lightning.cli import MoHLightningCLI, main  # noqa: E402
+from moh_lightning.cli import main  # noqa: E402
+from moh_lightning.trainer_cli import MoHLightningCLI  # noqa: E402
 
 STEPS, BATCH, SEQ = 150, 8, 64
 PACKAGES = ("json", "email", "http", "urllib", "logging")

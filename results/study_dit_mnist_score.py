@@ -18,8 +18,9 @@ from pathlib import Path
 import yaml
 
 from moh_lightning.configs import resolve_config
-from moh_lightning.sweep import DONE_FILE, grid_cells, trial_names
-from moh_lightning.sweep_report import STATUS_FINISHED, STATUS_UNFINISHED, TrialResult, write_report
+from moh_lightning.sweep.grid import grid_cells, trial_names
+from moh_lightning.sweep.ray_tune import DONE_FILE
+from moh_lightning.sweep.report import STATUS_FINISHED, STATUS_UNFINISHED, TrialResult, write_report
 from moh_lightning.tools.digit_quality import digit_quality
 from moh_lightning.tools.sample import sample
 

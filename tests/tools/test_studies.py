@@ -10,7 +10,7 @@ import yaml
 
 from moh_lightning.configs import config_dir
 from moh_lightning.layers import MoHAttention, activated_head_fraction
-from moh_lightning.sweep import cli_value, grid_cells
+from moh_lightning.sweep.grid import cli_value, grid_cells
 from moh_lightning.trainer_cli import MoHLightningCLI
 
 STUDIES = sorted(p.name for p in (config_dir() / "studies").glob("*.yaml"))

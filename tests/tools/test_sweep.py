@@ -31,9 +31,9 @@ from conftest import ctrl_c_restored
 from ray.tune import Callback
 
 from moh_lightning import cli
-from moh_lightning import sweep as sweep_tool
-from moh_lightning.sweep import _baseline_index, cli_value, grid_cells, trial_names
-from moh_lightning.sweep_report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
+from moh_lightning.sweep import ray_tune
+from moh_lightning.sweep.grid import baseline_index, cli_value, grid_cells, trial_names
+from moh_lightning.sweep.report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
 pytestmark = pytest.mark.server
 
@@ -133,7 +133,7 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     blocked.write_text("not a folder")
 
     # 1. Interrupted once the first trial finished.
-    monkeypatch.setattr(sweep_tool, "_tune_callbacks", lambda: [InterruptAfterFirstTrial()])
+    monkeypatch.setattr(ray_tune, "tune_callbacks", lambda: [InterruptAfterFirstTrial()])
     monkeypatch.setenv(INTERRUPT, "1")
     with pytest.raises(Exception, match="interrupts the sweep"):
         cli.main(args)
@@ -273,12 +273,12 @@ def test_named_grid_values_label_trials_and_rows_but_override_with_their_values(
                      {"model.init_args.arch.moh": moh75, "model.init_args.lr": 1e-3}]
     assert [c["model.init_args.arch.moh"] for c in shown] == ["dense", "75%"]
     assert trial_names(shown, [0])[1, 0] == "moh=75_-lr=0.001-seed=0"
-    assert _baseline_index(cells, shown, {"model.init_args.arch.moh": "75%"}) == 1
-    assert _baseline_index(cells, shown, {"model.init_args.arch.moh": moh75}) == 1
+    assert baseline_index(cells, shown, {"model.init_args.arch.moh": "75%"}) == 1
+    assert baseline_index(cells, shown, {"model.init_args.arch.moh": moh75}) == 1
 
 
 def test_the_report_says_in_words_what_differs_and_what_is_within_noise(tmp_path: Path) -> None:
-    from moh_lightning.sweep_report import write_report
+    from moh_lightning.sweep.report import write_report
 
     values = {0: [0.70, 0.72, 0.71], 1: [0.71, 0.69, 0.73], 2: [0.80, 0.81, 0.82]}  # same as baseline; clearly better
     trials = [TrialResult(f"c{cell}-s{seed}", cell, seed, STATUS_FINISHED, {"val/acc1": v})

@@ -35,7 +35,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_sweep import FIT_CONFIG, read_csv, run_state, tiny_overlay
 
 from moh_lightning import cli
-from moh_lightning.sweep import DONE_FILE
+from moh_lightning.sweep.ray_tune import DONE_FILE
 
 pytestmark = pytest.mark.server
 
