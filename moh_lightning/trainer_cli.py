@@ -295,6 +295,8 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         try:
             super().instantiate_classes()
         except ValueError as error:  # an __init__ check (e.g. a head budget) inside jsonargparse's nested report
+            if debugging():
+                raise
             raise missing_extra(error) or SystemExit(f"moh: {one_line_error(str(error))}") from None
         one_thread_per_forked_cpu_process(self.trainer)  # fit, validate, test and predict alike
         if self.checkpoint_hparams and isinstance(self.model, LightningModule):

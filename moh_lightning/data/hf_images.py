@@ -14,6 +14,7 @@ from moh_lightning.data.loaders import train_loader
 from moh_lightning.data.predict_folder import PredictFolder
 from moh_lightning.data.worker_random import WorkerRandomState
 from moh_lightning.errors import MissingDataError
+from moh_lightning.value_checks import check_numbers
 
 
 class HFImageDataset(WorkerRandomState, Dataset):
@@ -74,6 +75,7 @@ class HFImageDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, "data.init_args")
         self.mean, self.std = normalisation(in_chans, mean, std, IMAGENET_MEAN, IMAGENET_STD)
         self._splits = None
         self.train_set: HFImageDataset | None = None

@@ -31,6 +31,7 @@ from moh_lightning.data.image_transforms import (
 from moh_lightning.data.loaders import pin_memory, train_loader
 from moh_lightning.data.predict_folder import PredictFolder
 from moh_lightning.errors import MissingDataError
+from moh_lightning.value_checks import check_numbers
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
 
@@ -77,6 +78,7 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, "data.init_args")
         self.data_dir = Path(data_dir).expanduser()
         if on_corrupt not in ("skip", "error"):
             raise ValueError(f"data.init_args.on_corrupt={on_corrupt!r}: choose 'skip' or 'error'.")
@@ -228,6 +230,7 @@ class MNISTDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, "data.init_args")
         self.mean, self.std = normalisation(in_chans, mean, std, MNIST_MEAN, MNIST_STD)
         self.train_set: ArrayImageDataset | None = None
         self.val_set: ArrayImageDataset | None = None

@@ -24,6 +24,7 @@ from moh_lightning.data.cache import build_entry, content_hash, entry_name, file
 from moh_lightning.data.digits import load_mnist_5k
 from moh_lightning.data.loaders import train_loader
 from moh_lightning.data.worker_random import WorkerRandomState
+from moh_lightning.value_checks import check_numbers
 
 SD_VAE = "stabilityai/sd-vae-ft-ema"
 SD_LATENT_SCALE = 0.18215
@@ -98,6 +99,7 @@ class LatentDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, "data.init_args")
         self.cache_dir = Path(cache_dir) if cache_dir else Path(data_path).resolve().parent / f"latents_{image_size}"
         self.train_set: LatentDataset | None = None
         self._entry: Path | None = None
@@ -228,6 +230,7 @@ class MNISTPixelDataModule(LightningDataModule):
                  num_workers: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, "data.init_args")
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
 

@@ -29,6 +29,7 @@ from moh_lightning.data.token_arrays import (
 )
 from moh_lightning.data.tokenizers import BYTE_TOKENIZER, load_tokenizer
 from moh_lightning.errors import BadValueError
+from moh_lightning.value_checks import check_numbers
 
 
 class TextDataModule(LightningDataModule):
@@ -69,6 +70,7 @@ class TextDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_numbers(self.hparams, "data.init_args")
         if split_by not in SPLIT_RULES:
             raise ValueError(f"data.init_args.split_by={split_by!r}: choose one of {', '.join(SPLIT_RULES)}.")
         self.split_by = split_by

@@ -25,6 +25,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from moh_lightning.models.transnext import TransNeXtConfig, create_transnext, load_pretrained
 from moh_lightning.models.vit import ViTConfig, create_vit, load_vit_weights
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
+from moh_lightning.value_checks import check_numbers
 
 
 class ImageClassifier(MoHTask):
@@ -84,6 +85,7 @@ class ImageClassifier(MoHTask):
     ) -> None:
         super().__init__(load_balance_beta, compile, activation_checkpointing, compile_kwargs)
         self.save_hyperparameters()
+        check_numbers(self.hparams, "model.init_args")
         self.init_from = init_from
         self._init_from_loaded = False
         self.model = self.build_model(arch)

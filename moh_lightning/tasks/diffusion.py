@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from moh_lightning.diffusion import GaussianDiffusionLoss
 from moh_lightning.models.dit import DiT, DiTConfig, load_dense_dit_weights
 from moh_lightning.tasks.base import MoHTask, init_from_option
+from moh_lightning.value_checks import check_numbers
 
 if TYPE_CHECKING:
     from diffusers import DDIMScheduler, DDPMScheduler
@@ -99,6 +100,7 @@ class ClassConditionalDiffusion(MoHTask):
             raise ValueError(f"class_names has {len(class_names)} names for {arch_classes(arch)} classes "
                              f"(arch.num_classes); give one name per class, or null.")
         self.save_hyperparameters()
+        check_numbers(self.hparams, "model.init_args")
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
         self.model = DiT(arch if isinstance(arch, DiTConfig) else DiTConfig(**arch))
         self.init_from = init_from_option(init_from, init_from_dense, "init_from_dense")

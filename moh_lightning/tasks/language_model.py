@@ -32,6 +32,7 @@ from moh_lightning.models.hf_causal import (
 )
 from moh_lightning.models.llama import LlamaConfig, MoHLlama
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
+from moh_lightning.value_checks import check_numbers
 
 # LlamaConfig's fields -> the transformers config's, for the shapes and settings a source gives (``check_arch``).
 _SOURCE_FIELDS = {"depth": "num_hidden_layers", "embed_dim": "hidden_size", "num_heads": "num_attention_heads",
@@ -152,6 +153,7 @@ class LanguageModel(MoHTask):
                            "top_p": top_p}
         self.save_hyperparameters(ignore=list(self.generation))  # not saved: see the class's docstring
         self.hparams.hf_config = hf_config
+        check_numbers({**self.hparams, **self.generation}, "model.init_args")
         self.init_from = init_from
         self.hf_config = hf_config
         # LightningCLI records the dataclass as a dict in hparams; the module keeps the typed config.
