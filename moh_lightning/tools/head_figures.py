@@ -46,9 +46,9 @@ def head_figures(run: str, out: str = "figs", formats: list[str] | None = None, 
     Returns:
         The paths written.
     """
+    target = check_output_folder(out, "--out", overwrite)
     path = Path(run)
     loads = path if path.is_file() else _find_loads(path)
-    target = check_output_folder(out, "--out", overwrite)
     snapshot = HeadLoadSnapshot.load(loads)
     written = []
     with created_folder(target):
