@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from moh_lightning.callbacks.logger_runs import CHECKPOINT_KEY, FOLDER_LOGGERS
+from moh_lightning.outputs import check_name
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
 # The saved settings that must match for a run to continue from a checkpoint: what the weights and the data are...
@@ -235,14 +236,28 @@ def logs_in_folders(logger) -> bool:
     return issubclass(_class(logger.class_path), FOLDER_LOGGERS)
 
 
+def check_run_names(logger) -> None:
+    """Refuses, in one line naming the key, a TensorBoard or CSV logger's ``name``, ``version`` or ``sub_dir`` that
+    is a path rather than a name (``../../escaped_run``): the logger joins them to its ``save_dir``, and the run
+    would be written outside it. ``logger`` is the config's ``trainer.logger``: one, a list, or none."""
+    for one in logger if isinstance(logger, list) else [logger]:
+        if getattr(one, "init_args", None) is not None and logs_in_folders(one):
+            for key in ("name", "version", "sub_dir"):
+                check_name(one.init_args.get(key), f"--trainer.logger.init_args.{key}")
+
+
 def run_root(logger, default_name: str) -> Path:
     """The folder of one run name's ``version_N`` folders: ``<save_dir>/<name>`` for TensorBoard and CSV, else
-    ``runs/<name>`` with the logger's own run-name option (MLflow's ``run_name``, W&B's ``name``) or the config's."""
+    ``runs/<name>`` with the logger's own run-name option (MLflow's ``run_name``, W&B's ``name``) or the config's;
+    a name that would leave that folder is refused in one line."""
     args = logger.init_args
     if logs_in_folders(logger):
+        check_run_names(logger)
         return Path(args.save_dir) / args.name
-    given = args.get("run_name") if issubclass(_class(logger.class_path), MLFlowLogger) else args.get("name")
-    return RUNS / (given or default_name)
+    key = "run_name" if issubclass(_class(logger.class_path), MLFlowLogger) else "name"
+    # Only here, where the user's name becomes a folder: use_run_folder then names the run "<name>/version_N".
+    check_name(args.get(key), f"--trainer.logger.init_args.{key}")
+    return RUNS / (args.get(key) or default_name)
 
 
 def next_version(run_root: Path) -> Path:
@@ -296,6 +311,6 @@ def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] 
             args.id = run["run_id"]
 
 
-__all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "checkpoint_problem",
-           "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs", "logs_in_folders",
-           "next_version", "record_changes", "run_root", "use_run_folder", "versions"]
+__all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "check_run_names",
+           "checkpoint_problem", "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs",
+           "logs_in_folders", "next_version", "record_changes", "run_root", "use_run_folder", "versions"]

@@ -42,6 +42,7 @@ from moh_lightning.errors import missing_extra
 from moh_lightning.lightning_compat import MoHRichProgressBar
 from moh_lightning.runs import (
     check_resumable,
+    check_run_names,
     latest_loadable_checkpoint,
     logger_runs,
     logs_in_folders,
@@ -190,6 +191,7 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         init_args = getattr(logger, "init_args", None)
         if init_args is not None and "name" in init_args and init_args.name is None:
             init_args.name = self.run_name or "default"
+        check_run_names(logger)
         # Before `last` is compared with the run it would continue, whose config.yaml holds the source's network.
         tokenizer_of_init_from(config)
         if not self.checkpoint_hparams:  # a run from a checkpoint has the network saved with it

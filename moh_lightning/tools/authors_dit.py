@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moh_lightning.configs import load_config
 from moh_lightning.models.dit import DiTConfig, load_authors_weights, read_state_dict
+from moh_lightning.outputs import check_output_file
 from moh_lightning.tasks.checkpoints import one_line_errors, write_checkpoint
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
 
@@ -31,6 +32,7 @@ def load_authors_dit_tool(
         experiment: str = AUTHORS_DIT["MoH-DiT-XL/2-90"]["experiment"],
         cfg_scale: float = AUTHORS_SAMPLING["cfg_scale"],
         cfg_channels: int | None = AUTHORS_SAMPLING["cfg_channels"],
+        overwrite: bool = False,
 ) -> Path:
     """Loads the authors' MoH-DiT into the suite's DiT and writes a checkpoint ``moh sample`` reads.
 
@@ -40,11 +42,13 @@ def load_authors_dit_tool(
     Args:
         source: Their weights: a ``.pt`` file (a state dict or a ``train.py`` checkpoint, whose EMA is used), a hub
             repo id, or ``owner/name/file``.
-        out: The checkpoint to write.
+        out: The checkpoint to write; refused when it exists, unless ``overwrite``.
         experiment: The experiment config of the same network (``dit_xl2_90.yaml`` for MoH-DiT-XL/2-90).
         cfg_scale: Default classifier-free guidance of ``moh sample``.
         cfg_channels: Latent channels guided by default (their code guides 3; None guides all).
+        overwrite: Replace an ``out`` that exists.
     """
+    check_output_file(out, "--out", overwrite)
     with one_line_errors("load-authors-dit"):
         config = experiment_init_args(experiment)
     model_section, data_section = config.get("model") or {}, config.get("data") or {}

@@ -16,6 +16,7 @@ from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_features_to_statistics
 
 from moh_lightning.data.digits import load_mnist_5k
 from moh_lightning.data.image_transforms import MNIST_MEAN, MNIST_STD
+from moh_lightning.outputs import check_output_file
 
 
 def _classifier_inputs(images: np.ndarray) -> torch.Tensor:
@@ -69,14 +70,17 @@ def score_digits(samples: np.ndarray, labels: np.ndarray, classifier: str) -> di
     }
 
 
-def digit_quality(samples: str, classifier: str, out: str | None = None) -> dict:
+def digit_quality(samples: str, classifier: str, out: str | None = None, overwrite: bool = False) -> dict:
     """Scores ``moh sample`` output of a MNIST diffusion model with a trained MNIST classifier.
 
     Args:
         samples: ``samples.npz`` written by ``moh sample`` (``arr_0`` images, ``arr_1`` conditioning classes).
         classifier: ImageClassifier checkpoint trained on the real digits (``moh fit --config vit_tiny_mnist_75.yaml``).
-        out: Also write the scores as JSON to this file.
+        out: Also write the scores as JSON to this file; refused when it exists, unless ``overwrite``.
+        overwrite: Replace an ``out`` file that exists.
     """
+    if out:
+        check_output_file(out, "--out", overwrite)
     path = Path(samples)
     if not path.is_file():
         raise SystemExit(f"digit_quality: --samples {samples}: no such file; pass the samples.npz of `moh sample`.")

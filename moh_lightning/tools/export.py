@@ -20,6 +20,7 @@ from moh_lightning.models.hf_causal import (
     read_source_config,
 )
 from moh_lightning.models.llama import export_hf, from_hf
+from moh_lightning.outputs import check_output_folder, created_folder
 from moh_lightning.tasks.checkpoints import load_language_model, one_line_errors
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,7 +30,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None = None,
-               top_k: int | list[int] | None = None, dtype: str | None = None, router_dtype: str = "float32") -> str:
+               top_k: int | list[int] | None = None, dtype: str | None = None, router_dtype: str = "float32",
+               overwrite: bool = False) -> str:
     """Converts any ``transformers`` causal LM whose attention goes through transformers' attention interface (Qwen2,
     Qwen3, Mistral, Phi-3, Gemma 2, LLaMA, ...) into a MoH folder with the parameter-free query-norm router.
 
@@ -41,7 +43,8 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
 
     Args:
         source: The model: a local folder or a hub id.
-        out: Folder to write (weights, config, ``hf_moh.py``, tokenizer, model card).
+        out: Folder to write (weights, config, ``hf_moh.py``, tokenizer, model card); refused when it holds anything
+            already, unless ``overwrite``.
         num_shared_heads: Always-active heads per layer (the first ones), or a list with one per attention layer
             that MoH gates (for a family whose layers have heads of their own number, as Laguna's); half of each
             layer's heads when None. A hybrid's layers whose mixing does not go through the attention interface
@@ -50,10 +53,12 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
             None.
         dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
         router_dtype: Precision of the query-norm scores: float32, or activation (the authors' code).
+        overwrite: Write into an ``out`` that holds files already, replacing those of the same names.
     """
     if dtype is not None and dtype not in DTYPES:
         raise SystemExit(f"moh convert-hf: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out for "
                          f"the source's).")
+    check_output_folder(out, "--out", overwrite)
     with one_line_errors("convert-hf"):
         config = read_source_config(source)
         heads = list(query_heads(family_config(config)).values())
@@ -70,10 +75,11 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
     routed = [h - s for h, s in zip(heads, shared, strict=True)]
     budget = (f"{_one_or_list(shared)} shared + top-{_one_or_list(kept)} of {_one_or_list(routed)} routed heads per "
               f"layer")
-    export_hf_causal(model, out, tokenizer, source=(
-        f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` ({written_dtype}): "
-        f"its weights and settings unchanged, the parameter-free query-norm router added ({budget}). Not yet "
-        f"continue-tuned: the starting point of paper section 4.4."))
+    with created_folder(out):
+        export_hf_causal(model, out, tokenizer, source=(
+            f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` "
+            f"({written_dtype}): its weights and settings unchanged, the parameter-free query-norm router added "
+            f"({budget}). Not yet continue-tuned: the starting point of paper section 4.4."))
     print(f"wrote {out}: {type(model.hf).__name__}, {budget} ({(sum(shared) + sum(kept)) / sum(heads):.0%} active), "
           f"{str(written_dtype).removeprefix('torch.')}"
           + ("" if tokenizer is not None else "; no tokenizer in the source: give lm-eval one (tokenizer=...)"))
@@ -107,21 +113,24 @@ def source_tokenizer(source: str):
 
 
 def convert_llama(source: str, out: str, num_shared_heads: int | None = None, top_k: int | None = None,
-                  dtype: str | None = None) -> str:
+                  dtype: str | None = None, overwrite: bool = False) -> str:
     """Converts a ``transformers`` LLaMA into a MoH-LLaMA folder that ``transformers`` and lm-eval load.
 
     Args:
         source: LLaMA checkpoint: a local folder or a hub id.
-        out: Folder to write (weights, config, modelling code, tokenizer).
+        out: Folder to write (weights, config, modelling code, tokenizer); refused when it holds anything already,
+            unless ``overwrite``.
         num_shared_heads: Always-active heads per layer (the first ones); half of the heads when None.
         top_k: Routed heads kept per token; half of the routed heads (75% active) when None.
         dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
+        overwrite: Write into an ``out`` that holds files already, replacing those of the same names.
     """
     from transformers import AutoTokenizer
 
     if dtype is not None and dtype not in DTYPES:
         raise SystemExit(f"moh convert-llama: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out "
                          f"for the source's).")
+    check_output_folder(out, "--out", overwrite)
     with one_line_errors("convert-llama"):
         model = from_hf(source, num_shared_heads, top_k, dtype=getattr(torch, dtype) if dtype else "auto")
     try:
@@ -129,10 +138,11 @@ def convert_llama(source: str, out: str, num_shared_heads: int | None = None, to
     except (OSError, ValueError):
         tokenizer = None  # a weights-only folder; pass the tokenizer to lm-eval separately
     moh = model.config.moh
-    export_hf(model, out, tokenizer, source=(
-        f"Converted by `moh convert-llama` from the transformers LLaMA `{source}`: its weights unchanged, the "
-        f"parameter-free query-norm router added ({moh.num_shared_heads} shared + top-{moh.top_k} routed heads). "
-        f"Not yet continue-tuned: the starting point of paper section 4.4."))
+    with created_folder(out):
+        export_hf(model, out, tokenizer, source=(
+            f"Converted by `moh convert-llama` from the transformers LLaMA `{source}`: its weights unchanged, the "
+            f"parameter-free query-norm router added ({moh.num_shared_heads} shared + top-{moh.top_k} routed "
+            f"heads). Not yet continue-tuned: the starting point of paper section 4.4."))
     print(f"wrote {out}: {moh.num_shared_heads} shared + top-{moh.top_k} of "
           f"{model.config.num_heads - moh.num_shared_heads} routed heads "
           f"({model.config.activated_fraction:.0%} active)")
@@ -145,7 +155,7 @@ _TOKENIZER_NOTE = ("A plain `tokenizer(text)` gives the ids the model was traine
 
 
 def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, push_to_hub: str | None = None,
-                      private: bool = False) -> str:
+                      private: bool = False, overwrite: bool = False) -> str:
     """Exports a ``moh fit`` LanguageModel checkpoint to a ``transformers`` folder, optionally pushed to the hub.
 
     Every language model exports: learned or query-norm router, one head budget or one per layer, or dense. The
@@ -156,12 +166,14 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
 
     Args:
         checkpoint: A ``.ckpt`` written by ``moh fit`` with a LanguageModel.
-        out: Folder to write.
+        out: Folder to write; refused when it holds anything already, unless ``overwrite``.
         tokenizer: Tokenizer name or folder saved beside the weights; the training tokenizer when None.
         push_to_hub: Hub repo id (``user/name``) to upload the folder to (created if absent), with the credentials
             ``huggingface_hub`` finds (``hf auth login`` or ``HF_TOKEN``).
         private: Create the hub repo private.
+        overwrite: Write into an ``out`` that holds files already, replacing those of the same names.
     """
+    check_output_folder(out, "--out", overwrite)
     task, data_hparams = load_language_model(checkpoint, tool="export-hf")
     name = tokenizer or data_hparams.get("tokenizer")
     source = checkpoint_provenance(checkpoint, task.tokens_seen, name, data_hparams)
@@ -169,14 +181,13 @@ def export_checkpoint(checkpoint: str, out: str, tokenizer: str | None = None, p
     said = (f"wrote {out}: {kind}, {activated_head_fraction(task.model):.1%} of heads active; load it with "
             f"AutoModelForCausalLM.from_pretrained('{out}', trust_remote_code=True), or `moh lm-eval --hf_folder "
             f"{out}`")
-    if isinstance(task.model, HFCausalLM):
-        export_hf_causal(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub)
-        print(said)
-        if push_to_hub:
-            print(f"pushed {out} to {push_folder(out, push_to_hub, private)}")
-        return out
-    export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub,
-              tokenizer_note=_TOKENIZER_NOTE if name else None)
+    with created_folder(out):
+        if isinstance(task.model, HFCausalLM):
+            export_hf_causal(task.model, out, exported_tokenizer(name) if name else None, source=source,
+                             name=push_to_hub)
+        else:
+            export_hf(task.model, out, exported_tokenizer(name) if name else None, source=source, name=push_to_hub,
+                      tokenizer_note=_TOKENIZER_NOTE if name else None)
     print(said)
     if push_to_hub:
         url = push_folder(out, push_to_hub, private)

@@ -24,6 +24,7 @@ from pathlib import Path
 from moh_lightning.data.image_transforms import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
 from moh_lightning.models.transnext import GENERIC_TRANSNEXT, NAMED_MODELS, TransNeXtConfig
 from moh_lightning.models.vit import GENERIC_VIT, NAMED_VITS, ViTConfig
+from moh_lightning.outputs import check_output_folder, created_folder
 
 # Each family: its config class, its table of registered names and the name of any other shape.
 FAMILIES = {"transnext": (TransNeXtConfig, NAMED_MODELS, GENERIC_TRANSNEXT),
@@ -34,16 +35,18 @@ _NOT_IDENTITY = {"num_classes", "drop_rate", "drop_path_rate", "pretrained"}
 
 
 def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: bool = False,
-                token: str | None = None) -> Path:
+                token: str | None = None, overwrite: bool = False) -> Path:
     """Writes a ``moh fit`` image-classifier checkpoint as a timm folder and optionally pushes it to the hub.
 
     Args:
         checkpoint: A ``.ckpt`` of ``ImageClassifier`` (MoH-ViT) or ``TransNeXtClassifier`` (MoH-TransNeXt).
-        out: The folder to write (created; files of the same names are replaced).
+        out: The folder to write (created); refused when it holds anything already, unless ``overwrite``.
         push_to: A hub repo id (``owner/name``) to upload the folder to (created if missing).
         private: Create the hub repo private.
         token: Hugging Face token; the cached login when None.
+        overwrite: Write into an ``out`` that holds files already, replacing those of the same names.
     """
+    folder = check_output_folder(out, "--out", overwrite)
     import timm
 
     from moh_lightning.tasks.checkpoints import read_checkpoint
@@ -56,15 +59,14 @@ def export_timm(checkpoint: str, out: str, push_to: str | None = None, private: 
     state = {key.removeprefix("model."): value for key, value in raw["state_dict"].items() if key.startswith("model.")}
     model.load_state_dict(state)
 
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     data = dict(raw.get("datamodule_hyper_parameters") or {})
     # The class folders' names travel with the checkpoint; timm keeps them as the pretrained config's label_names.
     class_names = (raw.get("hyper_parameters") or {}).get("class_names")
     model_config = {"label_names": list(class_names)} if class_names else None
-    timm.models.save_for_hf(model.eval(), folder, model_config=model_config, model_args=model_args,
-                            safe_serialization=True, data_config=_preprocessing(data, arch))
-    (folder / "README.md").write_text(model_card(name, arch, family, checkpoint, model))
+    with created_folder(folder):
+        timm.models.save_for_hf(model.eval(), folder, model_config=model_config, model_args=model_args,
+                                safe_serialization=True, data_config=_preprocessing(data, arch))
+        (folder / "README.md").write_text(model_card(name, arch, family, checkpoint, model))
     print(f"wrote {folder}: {name} ({describe(arch)}); load it with `import {_module(family)}` then "
           f"timm.create_model('local-dir:{folder}', pretrained=True)")
     if push_to:

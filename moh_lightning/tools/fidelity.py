@@ -13,6 +13,7 @@ from PIL import Image
 
 from moh_lightning.data.image_transforms import eval_transform
 from moh_lightning.metrics.fidelity import compute_fidelity, feature_fidelity, load_images, reference_cache_name
+from moh_lightning.outputs import check_name, check_output_file
 from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.classification import ImageClassifier
 
@@ -31,6 +32,7 @@ def fidelity(
         batch_size: PositiveInt = 50,
         device: str = "cpu",
         out: str | None = None,
+        overwrite: bool = False,
 ) -> dict[str, float | str]:
     """FID / sFID / IS / precision / recall of a folder or .npz of samples against a reference set.
 
@@ -47,8 +49,12 @@ def fidelity(
         cache_root: Folder of the cache (torch-fidelity's default under the torch hub folder when omitted).
         batch_size: Images per Inception forward.
         device: ``cpu`` or ``cuda``.
-        out: Also write the metrics as JSON to this file.
+        out: Also write the metrics as JSON to this file; refused when it exists, unless ``overwrite``.
+        overwrite: Replace an ``out`` file that exists.
     """
+    if out:
+        check_output_file(out, "--out", overwrite)
+    check_name(cache_name, "--cache_name")
     if features is not None:
         result = classifier_fidelity(load_images(samples), load_images(reference, "reference"), features,
                                      batch_size, device)

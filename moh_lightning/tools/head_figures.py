@@ -17,6 +17,7 @@ from jsonargparse.typing import PositiveInt
 
 from moh_lightning.callbacks.head_load.loads import HISTORY_FILE, LOADS_FILE, HeadLoadSnapshot
 from moh_lightning.callbacks.head_load.render import snapshot_figures
+from moh_lightning.outputs import check_output_folder, created_folder
 
 
 def _find_loads(run: Path) -> Path:
@@ -32,33 +33,34 @@ def _find_loads(run: Path) -> Path:
 
 
 def head_figures(run: str, out: str = "figs", formats: list[str] | None = None, max_groups: PositiveInt = 20,
-                 layers: list[int] | None = None, dpi: PositiveInt = 300) -> list[str]:
+                 layers: list[int] | None = None, dpi: PositiveInt = 300, overwrite: bool = False) -> list[str]:
     """Renders the head-load heatmaps of a run folder as PDF / PNG figures.
 
     Args:
         run: Run folder (``runs/<name>/version_N``; ``runs/<name>`` takes its newest version), or a ``loads.json``.
-        out: Folder for the figures (created).
+        out: Folder for the figures (created); refused when it holds anything already, unless ``overwrite``.
         formats: File formats to write; PDF (vector) and PNG by default.
         max_groups: Groups (classes, sources) per group heatmap, the first ones by id.
         layers: Only these layers' group heatmaps (by layer number); all routed layers when None.
         dpi: Resolution of raster formats.
+        overwrite: Write into an ``out`` that holds files already, replacing those of the same names.
 
     Returns:
         The paths written.
     """
+    target = check_output_folder(out, "--out", overwrite)
     path = Path(run)
     loads = path if path.is_file() else _find_loads(path)
     snapshot = HeadLoadSnapshot.load(loads)
-    target = Path(out)
-    target.mkdir(parents=True, exist_ok=True)
     written = []
-    for stem, figure in snapshot_figures(snapshot, max_groups).items():
-        if layers is not None and stem != "layers" and int(stem.rsplit("_", 1)[-1]) not in layers:
-            continue
-        for extension in formats or ["pdf", "png"]:
-            file = target / f"{stem}.{extension.lstrip('.')}"
-            figure.savefig(file, dpi=dpi, bbox_inches="tight", pad_inches=0.03)
-            written.append(str(file))
+    with created_folder(target):
+        for stem, figure in snapshot_figures(snapshot, max_groups).items():
+            if layers is not None and stem != "layers" and int(stem.rsplit("_", 1)[-1]) not in layers:
+                continue
+            for extension in formats or ["pdf", "png"]:
+                file = target / f"{stem}.{extension.lstrip('.')}"
+                figure.savefig(file, dpi=dpi, bbox_inches="tight", pad_inches=0.03)
+                written.append(str(file))
     history = loads.parent / HISTORY_FILE
     print(f"head-figures: {len(written)} files in {target} from {loads} (step {snapshot.step}, {snapshot.split}"
           + (f"; earlier validations in {history}" if history.is_file() else "") + ")")

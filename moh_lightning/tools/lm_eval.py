@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moh_lightning.configs import config_dir
+from moh_lightning.outputs import check_output_file
 
 PAPER_TASKS = ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc2", "lambada_openai",
                "arc_easy", "boolq"]
@@ -119,6 +120,7 @@ def lm_eval(
         output: str | None = None,
         trust_remote_code: bool = False,
         dtype: str | None = None,
+        overwrite: bool = False,
 ) -> dict:
     """Evaluates a MoH language model with lm-evaluation-harness and prints the harness's table.
 
@@ -139,10 +141,13 @@ def lm_eval(
             writes (no BOS or EOS, as training encoded), so it scores as its export does, and an ``--hf_folder`` with
             the folder's tokenizer, as lm-eval's own ``hf`` model does.
         dtype: Weight dtype of an ``--hf_folder`` (float32, bfloat16, float16); the folder's when None.
-        output: JSON file for the results.
+        output: JSON file for the results; refused when it exists, unless ``overwrite``.
         trust_remote_code: Run the Python modelling code of an ``--hf_folder`` that is not the one ``moh export-hf``
             writes (read it first: loading runs it). The suite's own file is trusted without this.
+        overwrite: Replace an ``output`` file that exists.
     """
+    if output:
+        check_output_file(output, "--output", overwrite)
     import lm_eval as harness
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager

@@ -11,6 +11,7 @@ from jsonargparse.typing import PositiveFloat, PositiveInt
 from PIL import Image
 from tqdm.auto import tqdm
 
+from moh_lightning.outputs import check_output_folder, created_folder
 from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion, Sampler, to_uint8
 
@@ -28,6 +29,7 @@ def sample(
         vae: str | None = None,
         latent_scale: PositiveFloat = 0.18215,
         device: str = "cpu",
+        overwrite: bool = False,
 ) -> Path:
     """Samples images from a trained ClassConditionalDiffusion checkpoint (its EMA weights).
 
@@ -37,7 +39,7 @@ def sample(
 
     Args:
         checkpoint: Path of a ``.ckpt`` written by ``moh fit`` with a ClassConditionalDiffusion model.
-        out_dir: Folder for the outputs (created).
+        out_dir: Folder for the outputs (created); one that holds anything already is refused unless ``overwrite``.
         num_samples: Number of images.
         classes: Conditioning classes, repeated in turn to ``num_samples``: names (``"[zero, seven]"``, the class
             folders the checkpoint was trained on) or numbers (``"[0, 7]"``; quote a name that is a number); drawn
@@ -51,10 +53,12 @@ def sample(
             data module used, or none for pixel-space models.
         latent_scale: Latent scaling factor of that VAE (0.18215 for Stable Diffusion's).
         device: Torch device to sample on.
+        overwrite: Write into an ``out_dir`` that holds files already, replacing those of the same names.
     """
     path = Path(checkpoint)
     if not path.is_file():
         raise SystemExit(f"sample: --checkpoint {checkpoint}: no such file; pass a .ckpt written by `moh fit`.")
+    out = check_output_folder(out_dir, "--out_dir", overwrite)
     raw = read_checkpoint(path, ClassConditionalDiffusion, "sample")  # one line for anything but a DiT checkpoint
     task = ClassConditionalDiffusion.load_from_checkpoint(path, map_location=device, weights_only=True)
     task.eval()
@@ -77,13 +81,26 @@ def sample(
         labels = torch.tensor([indices[i % len(indices)] for i in range(num_samples)])
     else:
         labels = torch.randint(0, task.model.num_classes, (num_samples,), generator=generator)
-    out = Path(out_dir)
-    (out / "images").mkdir(parents=True, exist_ok=True)
+    with created_folder(out):
+        _write_samples(task, labels, out, names, generator, decoder, latent_scale,
+                       dict(cfg_scale=cfg_scale, sampler=sampler, steps=steps), batch_size)
+        sampled = sorted(set(labels.tolist()))
+        (out / "sample_args.json").write_text(json.dumps(
+            dict(checkpoint=str(path), num_samples=num_samples, classes=classes, cfg_scale=cfg_scale,
+                 sampler=sampler, steps=steps, seed=seed, vae=vae,
+                 class_names={str(label): names[label] if names else None for label in sampled}), indent=2))
+    shown = ", ".join(names[label] for label in sampled) if names else ", ".join(map(str, sampled))
+    print(f"wrote {num_samples} samples of {shown} to {out}")
+    return out
+
+
+def _write_samples(task: ClassConditionalDiffusion, labels: torch.Tensor, out: Path, names: list[str] | None,
+                   generator: torch.Generator, decoder, latent_scale: float, settings: dict, batch_size: int) -> None:
+    """One image per label, sampled with ``settings`` batch by batch: ``out/images/``, ``samples.npz``, ``grid.png``."""
+    (out / "images").mkdir(exist_ok=True)
     arrays = []
-    for start in tqdm(range(0, num_samples, batch_size), desc="batches"):
-        batch_labels = labels[start:start + batch_size]
-        x = task.sample(batch_labels, cfg_scale=cfg_scale, sampler=sampler, steps=steps, generator=generator,
-                        progress=True)
+    for start in tqdm(range(0, len(labels), batch_size), desc="batches"):
+        x = task.sample(labels[start:start + batch_size], generator=generator, progress=True, **settings)
         if decoder is not None:
             with torch.no_grad():
                 x = decoder.decode(x / latent_scale).sample
@@ -94,14 +111,6 @@ def sample(
         Image.fromarray(image).save(out / "images" / f"{i:06d}_c{label}{suffix}.png")
     np.savez(out / "samples.npz", arr_0=images, arr_1=labels.numpy())
     save_class_grid(images, labels.numpy(), out / "grid.png")
-    sampled = sorted(set(labels.tolist()))
-    (out / "sample_args.json").write_text(json.dumps(
-        dict(checkpoint=str(path), num_samples=num_samples, classes=classes, cfg_scale=cfg_scale, sampler=sampler,
-             steps=steps, seed=seed, vae=vae,
-             class_names={str(label): names[label] if names else None for label in sampled}), indent=2))
-    shown = ", ".join(names[label] for label in sampled) if names else ", ".join(map(str, sampled))
-    print(f"wrote {num_samples} samples of {shown} to {out}")
-    return out
 
 
 def class_index(given: int | str, names: list[str] | None, num_classes: int) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 
+from moh_lightning.outputs import check_output_file
 from moh_lightning.tools.bench.core import core_section
 from moh_lightning.tools.bench.decode import decode_section
 from moh_lightning.tools.bench.layer import layer_section
@@ -41,7 +42,7 @@ def default_output(name: str) -> Path:
 
 def bench(quick: bool = False, output: str | None = None, repeats: PositiveInt = 5, warmup: NonNegativeInt = 2,
           models: bool = True, compiled: bool = True, threads: PositiveInt | None = None, clock: str = "wall",
-          compile_backend: str = "inductor") -> Path:
+          compile_backend: str = "inductor", overwrite: bool = False) -> Path:
     """Benchmark MoH attention (head-sparse execution) and MoH models against dense multi-head attention.
 
     Prints each section as it starts and ends, rewrites the page after each (a stopped bench leaves what it
@@ -51,8 +52,8 @@ def bench(quick: bool = False, output: str | None = None, repeats: PositiveInt =
         quick: A subset in about a minute: batch 1 at N = 128 and 1,024 (where the CPU's head-sparse path is
             expected to win), 50% heads, caches of 256 and 4,096 tokens, the MNIST ViT's step at batch 16.
         output: Markdown report; the plot goes beside it as ``<stem>.png``. By default a folder of this run's own,
-            ``bench/<date>_<time>/bench_attention.md``; the shipped pages in ``results/`` are rewritten only when
-            named here.
+            ``bench/<date>_<time>/bench_attention.md``; a page or plot that exists (a shipped one in ``results/``)
+            is rewritten only with ``overwrite``.
         repeats: Timed runs per measurement (the median is reported).
         warmup: Untimed rounds before them (each timed run also makes the two untimed calls of
             ``torch.utils.benchmark``'s ``Timer.timeit`` just before it).
@@ -63,10 +64,13 @@ def bench(quick: bool = False, output: str | None = None, repeats: PositiveInt =
         clock: ``wall`` (elapsed time) or ``cpu`` (the process's CPU time: steadier on a shared machine; ratios
             between variants compare the work done, not the waiting).
         compile_backend: ``torch.compile`` backend of the compiled table (``aot_eager`` compiles in seconds).
+        overwrite: Replace a page (and its plot) that exists, such as a shipped one in ``results/``.
     """
     if clock not in ("wall", "cpu"):
         raise SystemExit(f"moh bench: --clock {clock!r}: choose wall or cpu.")
     path = Path(output) if output else default_output("bench_attention.md")
+    for page in (path, path.with_suffix(".png")):
+        check_output_file(page, "--output", overwrite)
     torch.manual_seed(0)
     if threads is not None:
         torch.set_num_threads(threads)

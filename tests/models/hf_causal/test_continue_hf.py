@@ -274,7 +274,7 @@ def test_one_model_one_score_checkpoint_export_and_lm_evals_own_hf_model(run_dir
     for args in (["--checkpoint", checkpoint], ["--hf_folder", "exported"],
                  ["--hf_folder", "exported", "--dtype", "float32"]):
         moh(["lm-eval", *args, "--include_path", "lm_eval_tasks", "--include_defaults", "false", "--tasks",
-             "[python_basics]", "--output", "out.json"])
+             "[python_basics]", "--output", "out.json", "--overwrite", "true"])
         scores.append(json.loads((run_dir / "out.json").read_text())["results"]["python_basics"])
     manager = TaskManager(include_path=task_folder("lm_eval_tasks"), include_defaults=False)
     theirs = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": "exported", "trust_remote_code": True},
