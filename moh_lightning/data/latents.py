@@ -143,7 +143,7 @@ def image_files(data_path: str) -> list[Path]:
     from torchvision.datasets import ImageFolder
 
     if not Path(data_path).is_dir():
-        raise SystemExit(f"data.init_args.data_path={data_path!r}: no such folder; point it at an ImageFolder "
+        raise SystemExit(f"moh: data.init_args.data_path={data_path!r}: no such folder; point it at an ImageFolder "
                          f"(<data_path>/<class>/*.jpg).")
     return [Path(path) for path, _ in ImageFolder(data_path).samples]
 

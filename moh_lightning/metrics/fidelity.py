@@ -119,7 +119,7 @@ def load_images(source: str, key: str = "samples") -> np.ndarray:
         from PIL import Image
 
         return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
-    raise SystemExit(f"fidelity: --{key} {source}: not an .npz with arr_0, a folder of images, nor 'mnist'.")
+    raise SystemExit(f"moh fidelity: --{key} {source}: not an .npz with arr_0, a folder of images, nor 'mnist'.")
 
 
 def _image_files(source: str) -> list[Path]:
@@ -190,7 +190,7 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     (``inception_weights_help``).
     """
     if weights is not None and not Path(weights).is_file():
-        raise SystemExit(f"fidelity: --weights {weights}: no such file; {inception_weights_help()}.")
+        raise SystemExit(f"moh fidelity: --weights {weights}: no such file; {inception_weights_help()}.")
     if weights is not None:
         load_file(weights)  # torch-fidelity unpickles it in full: first refused here if it would run code
     kwargs = dict(
@@ -205,7 +205,7 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     try:
         extractor = create_feature_extractor(SFID_EXTRACTOR, ["2048", "logits_unbiased", SFID_FEATURE], **kwargs)
     except OSError as error:  # urllib's URLError when the download fails, e.g. offline
-        raise SystemExit(f"fidelity: cannot download torch-fidelity's Inception weights ({error}); "
+        raise SystemExit(f"moh fidelity: cannot download torch-fidelity's Inception weights ({error}); "
                          f"{inception_weights_help()}.") from None
     generated = extract_featuresdict_from_input_id_cached(1, extractor, **kwargs)
     real = extract_featuresdict_from_input_id_cached(2, extractor, **kwargs)

@@ -47,7 +47,7 @@ def score_digits(samples: np.ndarray, labels: np.ndarray, classifier: str) -> di
     from moh_lightning.tasks.classification import ImageClassifier
 
     if not Path(classifier).is_file():
-        raise SystemExit(f"digit_quality: --classifier {classifier}: no such checkpoint; train one with "
+        raise SystemExit(f"moh digit_quality: --classifier {classifier}: no such checkpoint; train one with "
                          f"`moh fit --config vit_tiny_mnist_75.yaml`.")
     from moh_lightning.tasks.checkpoints import read_checkpoint
 
@@ -83,10 +83,10 @@ def digit_quality(samples: str, classifier: str, out: str | None = None, overwri
         check_output_file(out, "--out", overwrite)
     path = Path(samples)
     if not path.is_file():
-        raise SystemExit(f"digit_quality: --samples {samples}: no such file; pass the samples.npz of `moh sample`.")
+        raise SystemExit(f"moh digit_quality: --samples {samples}: no such file; pass the samples.npz of `moh sample`.")
     data = np.load(path)
     if "arr_1" not in data:
-        raise SystemExit(f"digit_quality: --samples {samples} has no arr_1 (labels); sample with `moh sample`.")
+        raise SystemExit(f"moh digit_quality: --samples {samples} has no arr_1 (labels); sample with `moh sample`.")
     result = score_digits(data["arr_0"], data["arr_1"], classifier)
     text = json.dumps(result, indent=2)
     print(text)

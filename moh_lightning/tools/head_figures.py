@@ -28,7 +28,7 @@ def _find_loads(run: Path) -> Path:
                       key=lambda path: int(path.parent.parent.name.removeprefix("version_") or 0))
     if versions:
         return versions[-1]
-    raise SystemExit(f"head-figures: --run {run}: no head_load/{LOADS_FILE} there; point it at a run folder "
+    raise SystemExit(f"moh head-figures: --run {run}: no head_load/{LOADS_FILE} there; point it at a run folder "
                      "(runs/<name>/version_N) whose training ran at least one validation with HeadLoadCallback.")
 
 

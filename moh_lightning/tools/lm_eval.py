@@ -25,6 +25,8 @@ from transformers import PretrainedConfig
 
 from moh_lightning.configs import config_dir
 from moh_lightning.outputs import check_output_file
+from moh_lightning.tasks.checkpoints import read_checkpoint
+from moh_lightning.tasks.language_model import LanguageModel
 
 PAPER_TASKS = ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc2", "lambada_openai",
                "arc_easy", "boolq"]
@@ -160,6 +162,8 @@ def lm_eval(
         raise SystemExit(f"moh lm-eval: --hf_folder {hf_folder}: no config.json; export one with `moh export-hf`.")
     include_path = task_folder(include_path) if include_path else None
     offline_unless_hub_answers()
+    if checkpoint is not None:  # a damaged or foreign checkpoint stops the tool before any task touches a cache
+        read_checkpoint(checkpoint, LanguageModel, "lm-eval", map_location="meta")
     # Tasks (and their data) load before the model, so a task that cannot stops the tool before a model is built.
     task_manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
     loaded = [obj for name in tasks or PAPER_TASKS for obj in load_task(task_manager, name)]

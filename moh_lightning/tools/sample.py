@@ -57,7 +57,7 @@ def sample(
     """
     path = Path(checkpoint)
     if not path.is_file():
-        raise SystemExit(f"sample: --checkpoint {checkpoint}: no such file; pass a .ckpt written by `moh fit`.")
+        raise SystemExit(f"moh sample: --checkpoint {checkpoint}: no such file; pass a .ckpt written by `moh fit`.")
     out = check_output_folder(out_dir, "--out_dir", overwrite)
     raw = read_checkpoint(path, ClassConditionalDiffusion, "sample")  # one line for anything but a DiT checkpoint
     task = ClassConditionalDiffusion.load_from_checkpoint(path, map_location=device, weights_only=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 from moh_lightning.serialization import checkpoint_type
+from moh_lightning.value_checks import check_numbers
 
 
 @checkpoint_type(also_as="moh_lightning.models.dit.DiTConfig")
@@ -49,6 +50,7 @@ class DiTConfig:
     img_size: int | None = None
 
     def __post_init__(self) -> None:
+        check_numbers({"arch": self}, "model.init_args")  # before a size of 0 reaches any arithmetic
         self.moh = as_moh_config(self.moh)
         if self.img_size is not None:
             self.input_size = self.img_size

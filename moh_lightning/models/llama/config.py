@@ -10,6 +10,7 @@ from typing import Literal
 
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 from moh_lightning.serialization import checkpoint_type
+from moh_lightning.value_checks import check_numbers
 
 
 @checkpoint_type(also_as="moh_lightning.models.llama.LlamaConfig")
@@ -46,6 +47,7 @@ class LlamaConfig:
     fused_kernels: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        check_numbers({"arch": self}, "model.init_args")  # before a size of 0 reaches any arithmetic
         self.moh = as_moh_config(self.moh)
         if not isinstance(self.fused_kernels, bool) and self.fused_kernels != "auto":
             raise ValueError(f"fused_kernels={self.fused_kernels!r}: choose auto, true or false.")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 from moh_lightning.serialization import checkpoint_type
+from moh_lightning.value_checks import check_numbers
 
 NUM_STAGES = 4
 
@@ -65,6 +66,7 @@ class TransNeXtConfig:
     moh: MoHConfig | None = None
 
     def __post_init__(self) -> None:
+        check_numbers({"arch": self}, "model.init_args")  # before a size of 0 reaches any arithmetic
         self.moh = as_moh_config(self.moh)
         if isinstance(self.img_size, (tuple, list)):  # timm passes (H, W)
             if len(set(self.img_size)) != 1:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from moh_lightning.layers.moh_config import MoHConfig, activated_fraction, as_moh_config, attention_layers
 from moh_lightning.serialization import checkpoint_type
+from moh_lightning.value_checks import check_numbers
 
 
 @checkpoint_type(also_as="moh_lightning.models.vit.ViTConfig")
@@ -44,6 +45,7 @@ class ViTConfig:
     pretrained: str | None = None
 
     def __post_init__(self) -> None:
+        check_numbers({"arch": self}, "model.init_args")  # before a size of 0 reaches any arithmetic
         self.moh = as_moh_config(self.moh)
         attention_layers(self.moh, self.num_heads, self.depth)
 
