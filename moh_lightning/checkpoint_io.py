@@ -68,6 +68,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 raise SystemExit(message) from error
             raise
         _fsync_dir(path.parent)
+        _remove_interrupted_writes(path)
+
+
+def _remove_interrupted_writes(path: Path) -> None:
+    """Removes the temporary files of earlier writes of ``path`` that a kill cut short (their process never reached
+    its clean-up): one process writes a checkpoint's name, one write at a time, so once this write is in place any
+    other is such a leftover."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
 
 
 def _no_space_message(path: Path, checkpoint: dict[str, Any], error: Exception) -> str | None:

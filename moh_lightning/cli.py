@@ -10,14 +10,18 @@ from __future__ import annotations
 import difflib
 import errno
 import functools
+import getpass
 import importlib
 import logging
 import os
 import re
 import sys
+import tempfile
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import NamedTuple
 
 from moh_lightning.errors import MissingExtraError, UsageError, missing_extra
@@ -179,6 +183,25 @@ def main(args: Sequence[str] | None = None) -> None:
         raise SystemExit(unknown_command(given[0]))
     quiet_third_party()
     command = given[0] if given[0] in COMMANDS else "fit"
+    with _no_empty_inductor_folder():
+        _run(command, given, args, debug)
+
+
+@contextmanager
+def _no_empty_inductor_folder() -> Iterator[None]:
+    """Importing torch._dynamo (Lightning does, through torchmetrics and torchvision) makes Inductor's cache folder
+    ``$TMPDIR/torchinductor_<user>`` even where nothing is compiled; one that this command made and left empty goes."""
+    folder = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    existed = folder.exists()
+    try:
+        yield
+    finally:
+        if not existed:
+            with suppress(OSError):  # not empty (something was compiled), or gone already
+                folder.rmdir()
+
+
+def _run(command: str, given: list[str], args: list[str] | None, debug: bool) -> None:
     try:
         if command in TOOLS:
             from jsonargparse import CLI

@@ -1,6 +1,7 @@
 """`moh --help` lists every command, Trainer loops and tools, each with one line, without importing any of them; a
 mistyped command is one line naming the commands and the nearest."""
 import inspect
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,11 @@ def test_help_imports_neither_torch_nor_a_command():
                            check=True)
     assert shown.stdout.splitlines()[-1] == "[]" and shown.stderr == ""
     assert all(command.summary in shown.stdout for command in TOOLS.values())
+
+
+def test_a_command_leaves_no_empty_inductor_folder_in_tmpdir(tmp_path):
+    """Importing Lightning makes torch's `$TMPDIR/torchinductor_<user>` even where nothing is compiled."""
+    shown = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main(['fit', '--help'])"],
+                           capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert shown.returncode == 0 and "--trainer" in shown.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -58,6 +58,16 @@ def test_failed_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, monkey
     assert torch.load(path)["step"] == 3
 
 
+def test_the_next_write_removes_what_a_killed_write_left(tmp_path):
+    """SIGKILL during a write leaves its hidden temporary file (its clean-up never ran); the next write of that
+    checkpoint removes it, and nothing of another checkpoint's."""
+    io = AtomicCheckpointIO()
+    (tmp_path / ".last.ckpt.k1ll3d.tmp").write_bytes(b"")
+    (tmp_path / ".step=4.ckpt.0ther.tmp").write_bytes(b"")
+    io.save_checkpoint({"step": 5}, tmp_path / "last.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step=4.ckpt.0ther.tmp", "last.ckpt"]
+
+
 KILLED_WRITER = """
 import sys, time, torch
 from moh_lightning import checkpoint_io
