@@ -26,8 +26,8 @@ from typing import Any, Literal
 from jsonargparse.typing import NonNegativeFloat, PositiveInt
 
 from moh_lightning.configs import resolve_config
-from moh_lightning.sweep.grid import baseline_index, check_spec, grid_cells, trial_names
-from moh_lightning.sweep.ray_tune import DRIVER_ENV, environ, ray_temp_folder, run_on_tune
+from moh_lightning.sweep.grid import baseline_index, check_cells, check_spec, grid_cells, trial_names
+from moh_lightning.sweep.ray_tune import DRIVER_ENV, ERROR_FILE, EXPERIMENT, RUNS, environ, ray_temp_folder, run_on_tune
 from moh_lightning.sweep.report import STATUS_FAILED, STATUS_FINISHED, STATUS_UNFINISHED, write_report
 from moh_lightning.sweep.stopping import EndNow, StopSignals
 
@@ -53,10 +53,12 @@ def sweep(
     Every trial is an ordinary `moh fit --config <fit_config> <extra_args> <cell overrides> --seed_everything
     <seed> --ckpt_path last` run in a Ray Tune trainable, in its own run folder `<out>/runs/<trial>/version_N/`
     (events, config.yaml, checkpoints; trial names such as `top_k=2-seed=1`). Its final metrics (the trainer's
-    `callback_metrics` when fit returns: the last value logged of each) are reported to Tune. A failed trial is
-    reported with its error and the others go on. Killed or interrupted, the same command continues the sweep
-    from Tune's state in `<out>/tune`: finished trials are not run again, unfinished ones continue from their
-    newest checkpoint (`--ckpt_path last`) and failed ones run again when `retry_failed`. When nothing is left
+    `callback_metrics` when fit returns: the last value logged of each) are reported to Tune. Each cell's arguments
+    are parsed before Ray starts, so a misspelled key or a mistyped value is refused in one line. A failed trial is
+    reported with its error and the others go on; the sweep then exits non-zero, after its report. Killed or
+    interrupted, the same command continues the sweep from Tune's state in `<out>/tune`: finished trials are not
+    run again, unfinished ones continue from their newest checkpoint (`--ckpt_path last`) and failed ones run again
+    when `retry_failed`. When nothing is left
     to run, the same command only rewrites the report from Tune's saved state (without starting Ray), so
     `--metric` / `--mode` / `--baseline` may change between calls; the grid, seeds, config and extra_args may
     not.
@@ -107,6 +109,7 @@ def sweep(
               for c, cell in enumerate(cells) for s, seed in enumerate(seeds)]
     check_spec(out_dir, {"fit_config": str(config_path), "grid": grid or {},
                          "seeds": seeds, "extra_args": list(extra_args)})
+    check_cells(str(config_path), list(extra_args), cells, shown, str(out_dir / RUNS))
 
     try:
         with environ(DRIVER_ENV), ray_temp_folder() as ray_folder, StopSignals(out_dir) as stop:
@@ -118,15 +121,17 @@ def sweep(
         raise SystemExit(128 + end.signum) from None
     paths = write_report(out_dir, results, shown, seeds, metric, mode, base, title=config_path.name)
     counts = {s: sum(r.status == s for r in results) for s in (STATUS_FINISHED, STATUS_FAILED, STATUS_UNFINISHED)}
-    for r in results:
-        if r.status == STATUS_FAILED:
-            print(f"moh sweep: trial {r.name} failed: {r.error}", file=sys.stderr)
     if stop.signum:
         # The exit code of a process the signal ended (143, 130), as `moh fit` stops; one line on how to go on.
         print(f"moh sweep: stopped by {signal.Signals(stop.signum).name}: {counts[STATUS_FINISHED]} of "
               f"{len(results)} trials finished, the running ones saved at a step boundary; the report so far is "
               f"{paths['markdown']}. Continue with the same command: {_same_command()}", file=sys.stderr)
         raise SystemExit(128 + stop.signum)
+    if counts[STATUS_FAILED]:
+        again = "the same command" if retry_failed else "the same command with --retry_failed true"
+        raise SystemExit(f"moh sweep: {counts[STATUS_FAILED]} of {len(results)} trials failed; {paths['markdown']} "
+                         f"gives each one's error, {out_dir / EXPERIMENT}/<trial>/{ERROR_FILE} its traceback; "
+                         f"{again} runs only the failed and unfinished trials again: {_same_command()}")
     print(f"moh sweep: {counts[STATUS_FINISHED]} finished, {counts[STATUS_FAILED]} failed, "
           f"{counts[STATUS_UNFINISHED]} unfinished of {len(results)} trials; {paths['markdown']}", file=sys.stderr)
     return paths["markdown"]

@@ -5,6 +5,8 @@ grid, other seeds, another config or other extra arguments.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
 import math
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moh_lightning.sweep.report import format_value, short_keys
+from moh_lightning.sweep.report import cell_label, format_value, short_keys
 
 SPEC_FILE = "sweep.json"     # in <out>: what was swept, so a restart with other settings is refused
 
@@ -102,3 +104,22 @@ def fit_args(fit_config: str, extra_args: Sequence[str], overrides: dict[str, An
         args += [f"--{key}", cli_value(value)]
     return args + ["--seed_everything", str(seed), "--trainer.logger.init_args.save_dir", runs,
                    "--trainer.logger.init_args.name", name, "--ckpt_path", "last"]
+
+
+def check_cells(fit_config: str, extra_args: Sequence[str], cells: list[dict[str, Any]], shown: list[dict[str, Any]],
+                runs: str) -> None:
+    """Parses each cell's ``moh fit`` arguments as its trials will (to ``--print_config``, which builds nothing; a
+    tenth of a second a cell), so that a misspelled key or a value of the wrong type stops the sweep in one line
+    before Ray starts, instead of failing every trial of the cell."""
+    from moh_lightning.cli import main
+
+    short = short_keys(list(cells[0]))
+    for cell, names in zip(cells, shown, strict=True):
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # the config it prints
+                main([*fit_args(fit_config, extra_args, cell, 0, runs, "check"), "--print_config"])
+        except SystemExit as exit:
+            if exit.code not in (0, None):
+                message = exit.code if isinstance(exit.code, str) else f"moh fit exits with status {exit.code}"
+                raise SystemExit(f"moh sweep: the cell {cell_label(names, short)} cannot run: "
+                                 f"{message.removeprefix('moh: ')}") from None

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,10 +34,22 @@ DONE_FILE = "sweep_result.json"  # in runs/<trial>/: the trial's final metrics, 
 _RAY_TOKEN = secrets.token_hex(32)
 
 # Environment of the sweep's driver while it runs (restored afterwards): no usage-stats upload, Tune's automatic
-# loggers without the TensorBoard one (the trials' own runs hold the TensorBoard events), and the stop signals left
-# to the sweep (Tune's own Ctrl-C handler ends the loop before the trials have saved).
+# loggers without the TensorBoard one (the trials' own runs hold the TensorBoard events), the stop signals left
+# to the sweep (Tune's own Ctrl-C handler ends the loop before the trials have saved), and the terminal left to the
+# sweep's own lines: a failed trial's traceback kept in its error.txt rather than printed, and Tune's former output
+# engine, which `verbose=0` silences (the newer one prints its tables whatever the verbosity). No MLflow installation
+# id in ~/.config/mlflow either: Tune imports MLflow, where installed, to count the callbacks it was given
+# (ray.air._internal.usage.tag_callbacks), and MLflow writes one when imported.
 DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1",
-              "TUNE_DISABLE_SIGINT_HANDLER": "1"}
+              "TUNE_DISABLE_SIGINT_HANDLER": "1", "TUNE_PRINT_ALL_TRIAL_ERRORS": "0", "RAY_AIR_NEW_OUTPUT": "0",
+              "MLFLOW_DISABLE_TELEMETRY": "true"}
+# Ray binds its servers (GCS, raylet, object manager, agents, the workers' and the driver's own) to the node's address,
+# and on Linux takes the machine's network address for it, even when given 127.0.0.1 (ray.init resolves a loopback
+# address to it). Ray's single-machine mode, its default on macOS and Windows, takes the loopback address instead, so
+# that a local sweep listens on 127.0.0.1 only: read by ray.init in this process (from Ray's constants, which took the
+# environment at Ray's import) and by the processes it starts (from their environment).
+_LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+ERROR_FILE = "error.txt"     # in <out>/tune/<trial>/: Tune's record of a failed trial's traceback
 
 
 @contextlib.contextmanager
@@ -62,6 +75,19 @@ def environ(values: dict[str, str], override: bool = False) -> Iterator[None]:
 def tune_callbacks() -> list:
     """Tune callbacks of the run besides the JSON / CSV loggers (a seam for tests that interrupt a sweep)."""
     return []
+
+
+class SayTrialEnds(tune.Callback):
+    """One line as each trial ends, the sweep's only output while it runs (Tune's own progress tables are off)."""
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        print(f"moh sweep: trial {_trial_name(trial)} finished", file=sys.stderr, flush=True)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        # Tune's error file on this machine (the one in <out>/tune is a copy made later): its last line is the error.
+        lines = Path(trial.error_file).read_text().splitlines() if os.path.isfile(trial.error_file or "") else []
+        cause = next((line.strip() for line in reversed(lines) if line.strip()), "unknown error")
+        print(f"moh sweep: trial {_trial_name(trial)} failed: {cause}", file=sys.stderr, flush=True)
 
 
 class EndOnceSaved(tune.Callback):
@@ -97,9 +123,9 @@ def ray_temp_folder() -> Iterator[str]:
     in /tmp/ray for every session, Tune's lock files), removed when the sweep ends, however it ends. It is also the
     local Ray processes' TMPDIR: a trial's process is killed when the sweep ends, and what it made there (wandb's
     folders, which timm's import of wandb creates) would outlive it."""
-    # A local Ray's sockets live below it (<folder>/session_<date>_<pid>/sockets/plasma_store), and a socket's path
-    # has at most 107 bytes: /tmp where the temporary folder's own path is too long for that.
-    folder = tempfile.mkdtemp(prefix="moh-ray-", dir=None if len(tempfile.gettempdir()) <= 40 else "/tmp")
+    # A local Ray's sockets live below it (<folder>/ray/session_<date>_<pid>/sockets/plasma_store, 85 bytes from the
+    # temporary folder's parent on), and a socket's path has at most 107 bytes: /tmp where the parent's is too long.
+    folder = tempfile.mkdtemp(prefix="moh-ray-", dir=None if len(tempfile.gettempdir()) <= 20 else "/tmp")
     try:
         with environ({"RAY_TMPDIR": folder}), environ({"TMPDIR": folder}, override=True):
             yield folder
@@ -109,22 +135,30 @@ def ray_temp_folder() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _local_ray(cores: int, folder: str) -> Iterator[None]:
-    """A Ray of this machine for the sweep's time, its session files in ``folder``, with token authentication by a
-    token of this process's own, in the environment its processes inherit (readable by this user only) rather than a
+    """A Ray of this machine for the sweep's time, listening on the loopback address only, its session files in
+    ``folder`` (mode 700: no one else may read or plant anything there), with token authentication by a token of this
+    process's own, in the environment its processes inherit (readable by this user only) rather than a
     ~/.ray/auth_token file."""
     import ray
+    from ray._private import ray_constants
     from ray._raylet import Config
 
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     try:
-        with environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": _RAY_TOKEN}):
+        with environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": _RAY_TOKEN}), environ(_LOOPBACK_ONLY, override=True):
+            ray_constants.ENABLE_RAY_CLUSTER = False
             # Ray reads its authentication mode into its config when imported; re-read here, as Ray's own switch to
             # token mode does (authentication_token_setup._enable_token_auth), and again once the variables are gone.
             Config.initialize("")
+            # One level down: Ray makes its temporary folder and the session's folders in it writable by everyone (for
+            # several users' sessions in one /tmp/ray), again as each of its processes starts; ``folder`` stays 700, so
+            # no one else reaches into them.
             ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False,
-                     logging_level="WARNING", _temp_dir=folder)
+                     logging_level="WARNING", _temp_dir=os.path.join(folder, "ray"))
             yield
     finally:
         ray.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
         Config.initialize("")
 
 
@@ -182,12 +216,30 @@ def _fit_on_tune(trials: list[dict], config_path: Path, out_dir: Path, max_concu
             tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent, reuse_actors=reuse_workers,
                                         trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
             run_config=tune.RunConfig(
-                name=EXPERIMENT, storage_path=str(out_dir),
+                name=EXPERIMENT, storage_path=str(out_dir), verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-                callbacks=[JsonLoggerCallback(), CSVLoggerCallback(), EndOnceSaved(out_dir), *tune_callbacks()]))
+                callbacks=[JsonLoggerCallback(), CSVLoggerCallback(), SayTrialEnds(), EndOnceSaved(out_dir),
+                           *tune_callbacks()]))
+    with _dropped(logging.getLogger("ray.tune.tune"), "Trials did not complete"):  # the sweep's last line says so
+        done = tuner.fit()
     # By folder (named after the trial): a restored trial that failed without reporting has no config here.
-    found = {Path(r.path).name: (r.error, r.metrics) for r in tuner.fit() if r.path}
-    return [_trial_result(t, *found.get(t["name"], (None, None))) for t in trials]
+    found = {Path(r.path).name: (r.error, r.metrics) for r in done if r.path}
+    return [_trial_result(t, *found.get(t["name"], (None, None)), experiment) for t in trials]
+
+
+@contextlib.contextmanager
+def _dropped(logger: logging.Logger, prefix: str) -> Iterator[None]:
+    """Drops the records of ``logger`` whose message starts with ``prefix`` for the block."""
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith(prefix)
+
+    drop = Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _settled(experiment: Path, trials: list[dict], retry_failed: bool) -> list[TrialResult] | None:
@@ -209,19 +261,21 @@ def _settled(experiment: Path, trials: list[dict], retry_failed: bool) -> list[T
     for trial in trials:
         state = saved[trial["name"]]
         if state.status == "TERMINATED":
-            out.append(_trial_result(trial, None, state.last_result))
+            out.append(_trial_result(trial, None, state.last_result, experiment))
         elif state.status == "ERROR" and not retry_failed:
             error = state.get_pickled_error() or state.get_error() or RuntimeError(f"failed; see {state.path}")
-            out.append(_trial_result(trial, error, state.last_result))
+            out.append(_trial_result(trial, error, state.last_result, experiment))
         else:
             return None
     return out
 
 
-def _trial_result(trial: dict, error: BaseException | None, reported: dict | None) -> TrialResult:
+def _trial_result(trial: dict, error: BaseException | None, reported: dict | None, experiment: Path) -> TrialResult:
     out = TrialResult(name=trial["name"], cell=trial["cell"], seed=trial["seed"])
     if error is not None:
         out.status, out.error = STATUS_FAILED, _error_text(error)
+        traceback = experiment / trial["name"] / ERROR_FILE
+        out.traceback = str(traceback) if traceback.is_file() else None
     elif isinstance((reported or {}).get("metrics"), dict):
         out.status = STATUS_FINISHED
         out.metrics = {k: float(v) for k, v in reported["metrics"].items()}

@@ -32,6 +32,7 @@ class TrialResult:
     error: str | None = None
     run_dir: str | None = None
     node: str | None = None       # IP address of the Ray node the trial finished on
+    traceback: str | None = None  # the file holding a failed trial's traceback
 
 
 @dataclass
@@ -108,6 +109,13 @@ def _pm(s: Stat) -> str:
     return f"{s.mean:.4g}" + (f" ± {s.std:.3g}" if s.n > 1 else "")
 
 
+def _where(path: str | None, out: Path) -> str:
+    """A file in the report: relative to the sweep folder when inside it."""
+    if not path:
+        return "—"
+    return f"`{Path(path).relative_to(out) if Path(path).is_relative_to(out) else path}`"
+
+
 def metric_file(metric: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", metric).strip("_") + ".png"
 
@@ -142,7 +150,7 @@ def plot(path: Path, trials: list[TrialResult], labels: list[str], metric: str, 
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} per cell over seeds ({'lower' if mode == 'min' else 'higher'} is better)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    if any(t.status == STATUS_FINISHED for t in trials):
+    if labelled:  # not when no trial logged the metric: Matplotlib warns of an empty legend
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
 
@@ -194,11 +202,11 @@ def write_report(out: Path, trials: list[TrialResult], cells: list[dict[str, Any
 
     with open(paths["trials"], "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial", *keys, "seed", "status", metric, "node", "run_dir", "error"])
+        writer.writerow(["trial", *keys, "seed", "status", metric, "node", "run_dir", "error", "traceback"])
         for t in trials:
             writer.writerow([t.name, *[format_value(cells[t.cell][k]) for k in keys], t.seed, t.status,
                              _num(t.metrics.get(metric, math.nan), ".8g"), t.node or "", t.run_dir or "",
-                             t.error or ""])
+                             t.error or "", t.traceback or ""])
 
     plot(paths["plot"], trials, labels, metric, mode, baseline)
 
@@ -250,8 +258,10 @@ def write_report(out: Path, trials: list[TrialResult], cells: list[dict[str, Any
         lines.append("")
     failed = [t for t in trials if t.status == STATUS_FAILED]
     if failed:
-        lines += ["## Failed trials", "", "| trial | error |", "|---|---|"]
-        lines += [f"| `{t.name}` | {_md(t.error or 'unknown error')[:500]} |" for t in failed]
+        lines += ["## Failed trials", "", "Each trial's error, its last line; its traceback is in the file named.", "",
+                  "| trial | error | traceback |", "|---|---|---|"]
+        lines += [f"| `{t.name}` | {_md(t.error or 'unknown error')[:500]} | {_where(t.traceback, out)} |"
+                  for t in failed]
         lines.append("")
     unfinished = [t for t in trials if t.status == STATUS_UNFINISHED]
     if unfinished:

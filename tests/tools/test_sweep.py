@@ -4,7 +4,7 @@ Three calls of the same command on the same folder (each starts and stops its ow
 1. interrupted by a Tune callback that raises as soon as the first trial finished, the way a killed sweep
    leaves Tune's state behind;
 2. the same command again: continues without training the finished trial again; one trial fails (its run
-   folder is blocked by a file) and is reported with its error while the others finish;
+   folder is blocked by a file) and is reported with its error while the others finish, and the sweep exits 1;
 3. the same command with ``--retry_failed false`` and another metric: runs nothing and rewrites the report.
 The table's statistics and the trial names are checked without Ray.
 """
@@ -135,7 +135,8 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     # 1. Interrupted once the first trial finished.
     monkeypatch.setattr(ray_tune, "tune_callbacks", lambda: [InterruptAfterFirstTrial()])
     monkeypatch.setenv(INTERRUPT, "1")
-    with pytest.raises(Exception, match="interrupts the sweep"):
+    monkeypatch.setenv("MOH_DEBUG", "1")  # the error as raised, not moh's line for a bug
+    with pytest.raises(Interrupted, match="interrupts the sweep"):
         cli.main(args)
     assert ray_processes(before) == []
     assert not (out / "results.md").exists()
@@ -144,9 +145,12 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
     assert any(name.endswith("last.ckpt") for name in first["files"])
     assert not (runs / names[1]).exists()
 
-    # 2. The same command: the finished trial is not trained again; the blocked one fails, the others finish.
+    # 2. The same command: the finished trial is not trained again; the blocked one fails, the others finish, and the
+    # sweep says so by its exit.
     monkeypatch.delenv(INTERRUPT)
-    cli.main(args)
+    monkeypatch.delenv("MOH_DEBUG")
+    with pytest.raises(SystemExit, match=r"^moh sweep: 1 of 4 trials failed; .* the same command runs only the failed"):
+        cli.main(args)
     assert ray_processes(before) == []
     assert run_state(runs / names[0]) == first
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
@@ -173,7 +177,8 @@ def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.M
 
     # 3. The same command without retrying failures, reporting another metric: nothing runs, the report is rewritten.
     done = {name: run_state(runs / name) for name in names}
-    cli.main(args + ["--retry_failed", "false", "--metric", "train/loss", "--mode", "min"])
+    with pytest.raises(SystemExit, match="1 of 4 trials failed; .* the same command with --retry_failed true runs"):
+        cli.main(args + ["--retry_failed", "false", "--metric", "train/loss", "--mode", "min"])
     assert ray_processes(before) == []
     assert {name: run_state(runs / name) for name in names} == done
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}

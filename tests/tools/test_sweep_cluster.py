@@ -5,7 +5,7 @@ every port chosen free; ``moh sweep --address`` runs against them as a process o
 time, so both nodes train. The worker node's second trial SIGKILLs every process of its node (raylet, agents,
 itself) at step 7, after its step-5 checkpoint, as a machine lost mid-sweep would. Then:
 1. the sweep goes on on the head node: the trials that finished keep their results (the one that finished on the
-   lost node included), the interrupted trial is reported as failed;
+   lost node included), the interrupted trial is reported as failed and the sweep exits 1;
 2. the same command again runs only that trial, which resumes from its step-5 checkpoint;
 3. once more, it only rewrites the report, without Ray.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -157,12 +158,14 @@ def logged_steps(run: Path, tag: str) -> list[int]:
     return [event.step for event in EventAccumulator(str(run)).Reload().Scalars(tag)]
 
 
-def moh_sweep(args: list[str], cluster: Cluster, cwd: Path) -> None:
+def moh_sweep(args: list[str], cluster: Cluster, cwd: Path, returncode: int = 0) -> str:
+    """Runs `moh` with ``args``; its last line."""
     # A process of its own, as a user runs it: a Ray driver that earlier tests left in this one would carry their
     # settings (token authentication among them) to the cluster.
     result = subprocess.run([str(Path(sys.executable).with_name("moh")), *args], cwd=cwd, env=cluster.env,
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == returncode, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stderr.splitlines()[-1]
 
 
 def test_sweep_across_two_nodes_survives_losing_one(ray_cluster: Cluster, run_dir: Path,
@@ -178,8 +181,10 @@ def test_sweep_across_two_nodes_survives_losing_one(ray_cluster: Cluster, run_di
                 f"--trainer.callbacks.step={KILL_STEP}", f"--trainer.callbacks.marker={run_dir / 'node_lost'}"])]
     names = [f"seed={seed}" for seed in range(4)]
 
-    # 1. The worker node dies in its second trial; the head node finishes the sweep's other trials.
-    moh_sweep(args, ray_cluster, run_dir)
+    # 1. The worker node dies in its second trial; the head node finishes the sweep's other trials, and the sweep
+    # exits 1 with a line saying how to run the lost trial again.
+    said = moh_sweep(args, ray_cluster, run_dir, returncode=1)
+    assert said.startswith("moh sweep: 1 of 4 trials failed;") and said.endswith(shlex.join(["moh", *args])), said
     assert ray_cluster.worker.wait(timeout=30) is not None  # `ray start --block` went down with its node
     trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
     assert list(trials) == names
