@@ -7,10 +7,12 @@ imports nothing of the suite, so every floor may use it.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
+_GLUED_KEY = re.compile(r"^\s*(?:- )?[A-Za-z_][\w.]*:[^\s/:]")
 OVERLAYS = ("multi_gpu.yaml", "fsdp.yaml")  # stacked onto an experiment, not experiments themselves
 
 
@@ -73,6 +75,13 @@ def read_config_file(path: str | Path) -> dict:
         raise SystemExit(f"moh: config {path}: not valid YAML{where} ({problem}); fix it there.") from None
     except OSError as error:
         raise SystemExit(f"moh: config {path}: cannot read it ({error.strerror}).") from None
+    glued = next((number for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1)
+                  if _GLUED_KEY.match(line)), None)
+    if glued is not None:  # YAML reads `batch_size:16` as the string 'batch_size:16', not a key and its value
+        line = Path(path).read_text(encoding="utf-8").splitlines()[glued - 1].strip()
+        key, _, value = line.partition(":")
+        raise SystemExit(f"moh: config {path}: line {glued} '{line}': a key takes its value after a colon and a space; "
+                         f"write '{key}: {value}'.")
     if content is None:
         return {}
     if not isinstance(content, dict):

@@ -8,6 +8,7 @@ Every run writes into its own run folder ``runs/<name>/version_N/`` (events, res
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,12 +34,12 @@ from moh_lightning.callbacks import (
     RunSummary,
     StepCheckpoint,
 )
-from moh_lightning.callbacks.logger_runs import SaveRunConfig, keep_csv_rows, run_folder
+from moh_lightning.callbacks.logger_runs import FOLDER_LOGGERS, SaveRunConfig, keep_csv_rows, run_folder
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.cli_args import CONFIG_FLAGS, null_group_args, resolve_config_args, run_name
 from moh_lightning.cli_errors import debugging, one_line_error
 from moh_lightning.cli_init_from import network_of_init_from, tokenizer_of_init_from
-from moh_lightning.errors import missing_extra
+from moh_lightning.errors import UsageError, missing_extra
 from moh_lightning.lightning_compat import MoHRichProgressBar
 from moh_lightning.runs import (
     check_resumable,
@@ -231,9 +232,30 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
     def fit(self, **kwargs) -> None:
-        # SIGTERM, Ctrl-C, a hung rank and a lost node end every process of the run (callbacks/shutdown.py).
-        with run_as_a_whole(self.trainer):
-            self.trainer.fit(**kwargs)
+        made = self._run_folder_to_make() if self.trainer.world_size == 1 else None
+        try:
+            # SIGTERM, Ctrl-C, a hung rank and a lost node end every process of the run (callbacks/shutdown.py).
+            with run_as_a_whole(self.trainer):
+                self.trainer.fit(**kwargs)
+        except (UsageError, SystemExit) as error:
+            # A mistake found before the first step (the data, a shape) leaves no run folder behind; a signal, a
+            # failure later on and a resumed run's folder are left as they are.
+            mistake = isinstance(error, UsageError) or error.code not in (None, 0, 130, 143)
+            if made is not None and mistake and self.trainer.global_step == 0:
+                shutil.rmtree(made, ignore_errors=True)
+            raise
+
+    def _run_folder_to_make(self) -> Path | None:
+        """The outermost folder of this run's that does not exist yet (``runs/<name>`` for a new name, else its
+        ``version_N``), None when the run writes into folders that exist (a resumed run) or logs nowhere."""
+        logger = self.trainer.logger
+        folder = logger.log_dir if isinstance(logger, FOLDER_LOGGERS) else self.trainer.default_root_dir
+        if logger is None or folder is None or Path(folder).exists():
+            return None
+        folder = Path(folder).resolve()
+        while not folder.parent.exists():
+            folder = folder.parent
+        return folder
 
     def before_test(self) -> None:
         if not is_overridden("test_step", self.model):

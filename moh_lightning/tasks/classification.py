@@ -22,6 +22,7 @@ from timm.scheduler import CosineLRScheduler
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from moh_lightning.errors import BadValueError
 from moh_lightning.models.transnext import TransNeXtConfig, create_transnext, load_pretrained
 from moh_lightning.models.vit import ViTConfig, create_vit, load_vit_weights
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
@@ -90,6 +91,9 @@ class ImageClassifier(MoHTask):
         self._init_from_loaded = False
         self.model = self.build_model(arch)
         num_classes = self.model.num_classes
+        if num_classes < 2:  # torchmetrics' accuracy would say only "num_classes ... larger than 1"
+            raise BadValueError(f"model.init_args.arch.num_classes={num_classes}: a classifier needs two classes or "
+                                f"more (the data's class folders, when it has them); give data of two classes or more.")
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
             self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob,

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from moh_lightning.data.tokenizers import exported_tokenizer, load_tokenizer
-from moh_lightning.errors import MissingDataError
+from moh_lightning.errors import BadValueError, MissingDataError
 from moh_lightning.layers import activated_head_fraction
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
@@ -91,7 +91,7 @@ def _per_layer(value: int | list[int] | None, heads: list[int], key: str) -> lis
     if not isinstance(value, list):
         return [value] * len(heads)
     if len(value) != len(heads):
-        raise ValueError(f"{key} has {len(value)} entries for {len(heads)} attention layers: give one per layer or "
+        raise BadValueError(f"{key} has {len(value)} entries for {len(heads)} attention layers: give one per layer or "
                          f"a single int.")
     return value
 

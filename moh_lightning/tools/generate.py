@@ -6,6 +6,7 @@ from typing import Literal
 from jsonargparse.typing import NonNegativeFloat, OpenUnitInterval, PositiveInt
 
 from moh_lightning.data.tokenizers import load_tokenizer
+from moh_lightning.errors import BadValueError
 from moh_lightning.models.hf_causal import HFCausalLM
 from moh_lightning.tasks.checkpoints import load_language_model
 from moh_lightning.tasks.language_model import complete
@@ -46,11 +47,11 @@ def generate(
         task, data_hparams = load_language_model(checkpoint)
         model, tokenizer_name = task.model, tokenizer or data_hparams.get("tokenizer")
     if tokenizer_name is None:
-        raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass --tokenizer.")
+        raise BadValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass --tokenizer.")
     tok = load_tokenizer(tokenizer_name)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise ValueError("--prompt is empty after tokenisation: give some text to continue.")
+        raise BadValueError("--prompt is empty after tokenisation: give some text to continue.")
     texts = complete(model, ids, tok, max_new_tokens, temperature, top_k_tokens, top_p, seed, num_samples)
     for text in texts:
         print(prompt + text)

@@ -51,7 +51,11 @@ def head_figures(run: str, out: str = "figs", formats: list[str] | None = None, 
     target = check_output_folder(out, "--out", overwrite)
     path = Path(run)
     loads = path if path.is_file() else _find_loads(path)
-    snapshot = HeadLoadSnapshot.load(loads)
+    try:
+        snapshot = HeadLoadSnapshot.load(loads)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise SystemExit(f"moh head-figures: --run {run}: not a head-load record ({LOADS_FILE}); point it at a run "
+                         f"folder (runs/<name>/version_N) or at its head_load/{LOADS_FILE}.") from None
     written = []
     with created_folder(target):
         for stem, figure in snapshot_figures(snapshot, max_groups).items():

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moh_lightning.configs import config_dir
+from moh_lightning.errors import BadValueError
 from moh_lightning.outputs import check_output_file
 from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.language_model import LanguageModel
@@ -70,7 +71,7 @@ class MoHLM(HFLM):
         task, data_hparams = load_language_model(checkpoint, map_location=device, tool="lm-eval")
         name = tokenizer or data_hparams.get("tokenizer")
         if name is None:
-            raise ValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
+            raise BadValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass tokenizer=...")
         self.net = task.model.to(device).eval()
         # The tokenizer `moh export-hf` writes beside the weights, so that the checkpoint and its export score the same
         # under one policy (``lm_eval``'s ``add_bos_token``): a plain call encodes as training did, no BOS or EOS. A

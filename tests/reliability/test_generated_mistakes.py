@@ -93,7 +93,8 @@ def test_a_damaged_or_misplaced_ckpt_path_is_one_line_naming_it(kind, run_dir, c
 
 @pytest.mark.parametrize(("content", "says"), [(b"model: [\n", "not valid YAML"), (os.urandom(512), "not a text file"),
                                                (b"extends: 5\n", "extends=5"), (b"- a\n- b\n", "not keys"),
-                                               (b"extends: no_such_base.yaml\n", "no_such_base.yaml")])
+                                               (b"extends: no_such_base.yaml\n", "no_such_base.yaml"),
+                                               (b"data:\n  init_args:\n    batch_size:16\n", "'batch_size: 16'")])
 def test_a_malformed_config_is_one_line_naming_it(content, says, run_dir, capsys, tmp_path_factory):
     config = tmp_path_factory.mktemp("own") / "mine.yaml"
     config.write_bytes(content)
@@ -148,3 +149,12 @@ def test_every_number_of_an_embedded_default_refuses_a_wrong_type_and_what_its_n
     for key, value in ruled_out.items():
         message = _refused(["fit", "--config", config, f"--{key}", value, "--trainer.max_steps", "0"], run_dir, capsys)
         assert key.rsplit(".", 1)[-1] in message, message
+
+
+@pytest.mark.parametrize(("classes", "says"), [([], "no class folders"), (["only"], "two classes or more")])
+def test_data_found_wanting_when_the_run_starts_leaves_no_run_folder(classes, says, run_dir, capsys):
+    for name in classes:
+        (run_dir / "data" / name).mkdir(parents=True)
+    message = _refused(["fit", "--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", "data",
+                        "--trainer.max_steps", "1"], run_dir, capsys)
+    assert says in message and "data" in message, message
