@@ -33,7 +33,8 @@ PYTHON = (3, 12)  # the GPU image's python3 (KINDS.md: Python 3.12.3)
 # The wheels' platforms: the GPU machine is x86-64 Linux; pip matches a manylinux_2_N tag only for the N named.
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "linux_x86_64"]
 # What the measuring phases import (their lazy imports included); the CUDA tests are collected in `check` besides.
-CALL_MODULES = ["moh_lightning.cli", "benchmarks.steps", "benchmarks.loader", "moh_lightning.tools.bench.model_step",
+CALL_MODULES = ["moh_lightning.cli", "moh_lightning.trainer_cli", "benchmarks.steps", "benchmarks.loader",
+                "moh_lightning.tools.bench.model_step",
                 "moh_lightning.models.vit", "moh_lightning.models.dit", "moh_lightning.models.llama",
                 "moh_lightning.data.images", "moh_lightning.tasks"]
 # The libraries a reader of the call's log wants first (their versions, and whether carried or the image's).

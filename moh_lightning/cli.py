@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import tempfile
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -223,9 +222,14 @@ def _run(command: str, given: list[str], args: list[str] | None, debug: bool) ->
             raise
         if line is not None:
             raise SystemExit(line) from None
-        traceback.print_exc()
-        raise SystemExit(f"moh {command}: an unexpected {type(error).__name__}: this is a bug in moh-lightning; "
-                         f"please report it with the traceback above (MOH_DEBUG=1 shows every error's).") from None
+        # Raised as it is (a caller of main() sees the error itself), with a note Python prints after the traceback.
+        note = (f"moh {command}: an unexpected {type(error).__name__}: this is a bug in moh-lightning; please report "
+                f"it with the traceback.")
+        if hasattr(error, "add_note"):  # Python 3.11
+            error.add_note(note)
+        else:
+            print(note, file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ def test_a_vit_fit_loads_no_integration_that_lightning_does_not(tmp_path):
 ])
 def test_a_command_whose_extra_is_missing_names_the_extra_in_one_line(missing, args, extra, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
+    for name in [m for m in sys.modules if m.startswith(f"{missing}.")]:  # loaded by an earlier test
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, missing, None)  # what `import <missing>` meets where it is not installed
     # With the sweep package's submodules: imported already, they would hand the command over without Ray.
     for name in [m for m in sys.modules if m in ("moh_lightning.sweep", "moh_lightning.tools.lm_eval")

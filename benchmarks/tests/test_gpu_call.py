@@ -105,8 +105,9 @@ def test_the_wheel_set_check_names_what_is_missing_doubled_unmet_or_for_another_
 def test_a_distribution_the_call_imports_but_does_not_carry_is_found():
     """What the dry run's check does with ``wheels.txt``: jsonargparse left out of it is missed."""
     # What a fresh process importing the suite loads (this one has imported whatever earlier tests did).
-    script = (f"import json, sys; sys.path.insert(0, {str(Path(wheels.__file__).parent)!r}); import moh_lightning.cli, "
-              f"wheels; print(json.dumps(sorted(wheels.imported_distributions())))")
+    script = (f"import importlib, json, sys; sys.path.insert(0, {str(Path(wheels.__file__).parent)!r}); import wheels; "
+              f"[importlib.import_module(m) for m in wheels.CALL_MODULES]; "
+              f"print(json.dumps(sorted(wheels.imported_distributions())))")
     loaded = set(json.loads(subprocess.check_output([sys.executable, "-c", script], text=True).splitlines()[-1]))
     carried, image = wheels.read_list(wheels.NAMES), wheels.read_list(wheels.IMAGE)
     needed = wheels.needed_distributions(wheels.suite_requirements(), loaded, image, carried)

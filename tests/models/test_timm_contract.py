@@ -45,8 +45,8 @@ def test_every_named_model_is_registered_with_timm():
 
 
 @pytest.mark.slow
-def test_importing_the_package_registers_the_models():
-    code = ("import moh_lightning, timm; timm.create_model('moh_vit_small_patch16_224_75'); "
+def test_importing_the_models_registers_them():
+    code = ("import moh_lightning.models, timm; timm.create_model('moh_vit_small_patch16_224_75'); "
             f"print(sorted(timm.list_models(module={MODULES!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(sorted(NAMES))

@@ -103,23 +103,32 @@ def test_only_the_named_harness_notes_are_silenced(caplog):
     assert [record.getMessage() for record in caplog.records] == [
         "another note of the harness", "a note that mentions `pretrained` model kwarg is not of type `str` later"]
 
-def _error(args: list[str]) -> str:
+def _error(args: list[str], checkpoint: Path) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        moh(["lm-eval", "--checkpoint", "never_read.ckpt", *args])  # tasks load before the model
+        moh(["lm-eval", "--checkpoint", str(checkpoint), *args])
     message = str(exit_info.value.code)
     assert "\n" not in message, message
     return message
 
 
-def test_an_unknown_task_or_folder_is_one_line_naming_it():
-    message = _error(["--include_path", "lm_eval_tasks", "--include_defaults", "false", "--tasks", "[python_basic]"])
+def test_a_checkpoint_that_does_not_load_stops_the_tool_before_any_task_touches_a_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    message = _error(["--include_path", "lm_eval_tasks", "--include_defaults", "false", "--tasks", "[python_basics]"],
+                     tmp_path / "never_written.ckpt")
+    assert "never_written.ckpt" in message and not (tmp_path / "datasets").exists()
+
+
+def test_an_unknown_task_or_folder_is_one_line_naming_it(workspace):
+    checkpoint = workspace / "tiny.ckpt"
+    message = _error(["--include_path", "lm_eval_tasks", "--include_defaults", "false", "--tasks", "[python_basic]"],
+                     checkpoint)
     assert "'python_basic'" in message and "python_basics" in message and "--include_path" in message
-    message = _error(["--include_path", "no_such_folder", "--tasks", "[python_basics]"])
+    message = _error(["--include_path", "no_such_folder", "--tasks", "[python_basics]"], checkpoint)
     assert "no_such_folder" in message and "lm_eval_tasks" in message
 
 
 @pytest.mark.parametrize("offline", ["set", "hub unreachable"])
-def test_a_hub_task_offline_is_one_line_naming_it_and_include_path(offline, tmp_path, monkeypatch):
+def test_a_hub_task_offline_is_one_line_naming_it_and_include_path(offline, workspace, tmp_path, monkeypatch):
     """Offline mode set (HF_HUB_OFFLINE), or a hub that does not answer: then offline mode is turned on at once,
     where ``datasets`` would retry each request for half a minute."""
     import datasets
@@ -131,6 +140,7 @@ def test_a_hub_task_offline_is_one_line_naming_it_and_include_path(offline, tmp_
     (tmp_path / "hub_task.yaml").write_text(
         "task: hub_task\ndataset_path: moh-lightning-tests/not-cached\ntest_split: test\noutput_type: multiple_choice\n"
         'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n')
-    message = _error(["--include_path", str(tmp_path), "--include_defaults", "false", "--tasks", "[hub_task]"])
+    message = _error(["--include_path", str(tmp_path), "--include_defaults", "false", "--tasks", "[hub_task]"],
+                     workspace / "tiny.ckpt")
     assert "'hub_task'" in message and "hub" in message and "--include_path lm_eval_tasks" in message
     assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
