@@ -21,7 +21,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from moh_lightning.data.image_transforms import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
+from moh_lightning.data.image_transforms import IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD, normalisation
 from moh_lightning.models.transnext import GENERIC_TRANSNEXT, NAMED_MODELS, TransNeXtConfig
 from moh_lightning.models.vit import GENERIC_VIT, NAMED_VITS, ViTConfig
 from moh_lightning.outputs import check_output_folder, created_folder
@@ -172,9 +172,10 @@ def _module(family: str) -> str:
 def _preprocessing(data: dict, arch: TransNeXtConfig | ViTConfig) -> dict:
     """Evaluation preprocessing of the data module the model was trained with."""
     mnist = "crop_scale" in data and "data_dir" not in data
-    mean = data.get("mean") or (MNIST_MEAN if mnist else IMAGENET_MEAN)
-    std = data.get("std") or (MNIST_STD if mnist else IMAGENET_STD)
-    return {"mean": tuple(mean), "std": tuple(std), "crop_pct": data.get("crop_pct", 1.0 if mnist else 0.875),
+    # As the data module normalised: its defaults averaged down to one channel for a grayscale classifier.
+    mean, std = normalisation(arch.in_chans, data.get("mean"), data.get("std"),
+                              MNIST_MEAN if mnist else IMAGENET_MEAN, MNIST_STD if mnist else IMAGENET_STD)
+    return {"mean": mean, "std": std, "crop_pct": data.get("crop_pct", 1.0 if mnist else 0.875),
             "interpolation": data.get("interpolation", "bicubic")}
 
 

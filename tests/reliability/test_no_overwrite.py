@@ -52,8 +52,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
                                 diffusion.state_dict(), {}),
         "vit": write_checkpoint(root / "vit.ckpt", ImageClassifier, {"arch": asdict(vit), "mixup_alpha": 0.0,
                                                                      "cutmix_alpha": 0.0},
-                                {f"model.{k}": v for k, v in create_vit(vit).state_dict().items()},
-                                {"mean": [0.5], "std": [0.5]}),
+                                # no mean / std: a grayscale classifier exports the defaults averaged to one channel
+                                {f"model.{k}": v for k, v in create_vit(vit).state_dict().items()}, {}),
         "lm": write_checkpoint(root / "lm.ckpt", LanguageModel, {"arch": asdict(lm.model.config)}, lm.state_dict(),
                                {"tokenizer": "byte"}),
         "llama": root / "llama",
