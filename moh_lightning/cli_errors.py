@@ -41,9 +41,9 @@ def debugging() -> bool:
                                                                                           "JSONARGPARSE_DEBUG"))
 
 
-class OneLineToolParser(ArgumentParser):
-    """A tool's parser whose errors are one line naming the key, not usage text and nested reports; abbreviated
-    options are errors too (argparse would read ``--num_sample`` as ``--num_samples``)."""
+class OneLineErrors:
+    """A jsonargparse parser whose errors are one line naming the key (``one_line``), not usage text and nested
+    reports; abbreviated options are errors too (argparse would read ``--num_sample`` as ``--num_samples``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, allow_abbrev=False, **kwargs)
@@ -51,7 +51,14 @@ class OneLineToolParser(ArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error or debugging():  # jsonargparse catches these errors itself
             super().error(message, ex)
-        raise SystemExit(f"{self.prog}: {one_line_error(message, f'{self.prog} --help')}")
+        raise SystemExit(self.one_line(message))
+
+    def one_line(self, message: str) -> str:
+        return f"{self.prog}: {one_line_error(message, f'{self.prog} --help')}"
+
+
+class OneLineToolParser(OneLineErrors, ArgumentParser):
+    """A tool's parser (``prog`` is ``moh <tool>``), with one-line errors."""
 
 
 def _restriction(reason: str) -> str:

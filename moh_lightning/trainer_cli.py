@@ -37,7 +37,7 @@ from moh_lightning.callbacks import (
 from moh_lightning.callbacks.logger_runs import FOLDER_LOGGERS, SaveRunConfig, keep_csv_rows, run_folder
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.cli_args import CONFIG_FLAGS, null_group_args, resolve_config_args, run_name
-from moh_lightning.cli_errors import debugging, one_line_error
+from moh_lightning.cli_errors import OneLineErrors, debugging, one_line_error
 from moh_lightning.cli_init_from import network_of_init_from, tokenizer_of_init_from
 from moh_lightning.errors import UsageError, missing_extra
 from moh_lightning.lightning_compat import MoHRichProgressBar
@@ -74,19 +74,11 @@ TRAINER_DEFAULTS = {
 }
 
 
-class OneLineErrorParser(LightningArgumentParser):
-    """Parser errors as one line naming the key and what to do, instead of usage text and nested reports.
+class OneLineErrorParser(OneLineErrors, LightningArgumentParser):
+    """LightningCLI's parser with one-line errors, which name the listing of the whole config."""
 
-    Abbreviated options are errors too (argparse would silently read ``--trainer.max_step`` as ``max_steps``).
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error or debugging():  # jsonargparse catches these errors itself
-            super().error(message, ex)
-        raise SystemExit(f"moh: {one_line_error(message)}")
+    def one_line(self, message: str) -> str:
+        return f"moh: {one_line_error(message)}"
 
 
 class MoHLightningCLI(compat.CheckpointSettingsCLI):
