@@ -67,18 +67,15 @@ def _arch_rule(name: str, is_float: bool) -> tuple[str, Any]:
 def check_numbers(settings: Mapping[str, Any], prefix: str) -> None:
     """Raises ``BadValueError`` naming ``<prefix>.<key>`` for the first number that cannot work: ``settings`` are a
     task's or data module's ``__init__`` arguments (its ``hparams``); a dataclass among them (``arch``) is checked
-    field by field."""
+    field by field, as each network config checks itself when it is built (from a config's dict too)."""
     for key, value in settings.items():
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {f.name: (getattr(value, f.name), "float" in str(f.type)) for f in dataclasses.fields(value)}
-        elif isinstance(value, Mapping) and key == "arch":  # as a config gives it, before the dataclass is built
-            fields = {name: (v, any(isinstance(n, float) for n in _numbers(v))) for name, v in value.items()}
-        else:
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
             _check(f"{prefix}.{key}", value, _rule(key))
             continue
-        for name, (field_value, is_float) in fields.items():
-            if name not in _ARCH_OWN_CHECKS:
-                _check(f"{prefix}.{key}.{name}", field_value, _arch_rule(name, is_float))
+        for field in dataclasses.fields(value):
+            if field.name not in _ARCH_OWN_CHECKS:
+                _check(f"{prefix}.{key}.{field.name}", getattr(value, field.name),
+                       _arch_rule(field.name, "float" in str(field.type)))
 
 
 def _check(key: str, value: Any, rule: tuple[str, Any] | None) -> None:

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 import torch
 
-from moh_lightning.errors import MissingExtraError
+from moh_lightning.errors import MissingExtraError, install_line
 
-INSTALL = "pip install 'moh-lightning[gpu]'"
+INSTALL = install_line("gpu")
 
 
 @functools.cache
