@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NamedTuple
 
-from moh_lightning.errors import MissingExtraError, UsageError, missing_extra
+from moh_lightning.errors import MissingExtraError, UsageError, debugging, missing_extra
 
 
 class Command(NamedTuple):
@@ -160,7 +160,7 @@ def _debugging(given: list[str]) -> bool:
         if "--debug" in sys.argv:
             sys.argv.remove("--debug")
         os.environ["MOH_DEBUG"] = "1"
-    return os.environ.get("MOH_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    return debugging()
 
 
 def main(args: Sequence[str] | None = None) -> None:

@@ -1,10 +1,11 @@
 """jsonargparse's error reports (usage text, nested union and subclass reports) as the one line ``moh`` prints."""
 from __future__ import annotations
 
-import os
 import re
 
 from jsonargparse import ArgumentParser
+
+from moh_lightning.errors import debugging
 
 
 def one_line_error(message: str, listing: str = "moh fit --config <yaml> --print_config") -> str:
@@ -33,12 +34,6 @@ def one_line_error(message: str, listing: str = "moh fit --config <yaml> --print
         return f"config key {'.init_args.'.join(keys)!r}: {reason}"
     built = re.search(r"class_path='(?:\w+\.)*(\w+)'", message)
     return f"{built.group(1)}: {reason}" if built else reason
-
-
-def debugging() -> bool:
-    """Whether every error should show its full report: ``MOH_DEBUG`` or jsonargparse's own debug switch."""
-    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in ("MOH_DEBUG",
-                                                                                          "JSONARGPARSE_DEBUG"))
 
 
 class OneLineErrors:

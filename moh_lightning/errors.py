@@ -5,6 +5,7 @@ the built-in one, and tests that expect it, see no difference. The message names
 """
 from __future__ import annotations
 
+import os
 import re
 
 
@@ -22,6 +23,13 @@ class BadValueError(UsageError, ValueError):
 
 class MissingExtraError(UsageError, ImportError):
     """A config asks for what an optional extra of the package installs (``pip install 'moh-lightning[gpu]'``)."""
+
+
+def debugging() -> bool:
+    """Whether every error should show its traceback and full report: ``MOH_DEBUG`` (``moh --debug`` sets it) or
+    jsonargparse's own ``JSONARGPARSE_DEBUG``."""
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+               for name in ("MOH_DEBUG", "JSONARGPARSE_DEBUG"))
 
 
 # The import name of each package an extra installs (pyproject.toml's optional dependencies) -> that extra.
@@ -51,5 +59,5 @@ def missing_extra(error: Exception) -> MissingExtraError | None:
     return MissingExtraError(f"this needs {module}, which the '{extra}' extra installs: {install_line(extra)}")
 
 
-__all__ = ["EXTRAS", "BadValueError", "MissingDataError", "MissingExtraError", "UsageError", "install_line",
-           "missing_extra"]
+__all__ = ["EXTRAS", "BadValueError", "MissingDataError", "MissingExtraError", "UsageError", "debugging",
+           "install_line", "missing_extra"]

@@ -37,9 +37,9 @@ from moh_lightning.callbacks import (
 from moh_lightning.callbacks.logger_runs import FOLDER_LOGGERS, SaveRunConfig, keep_csv_rows, run_folder
 from moh_lightning.callbacks.shutdown import RunShutdown, run_as_a_whole
 from moh_lightning.cli_args import CONFIG_FLAGS, null_group_args, resolve_config_args, run_name
-from moh_lightning.cli_errors import OneLineErrors, debugging, one_line_error
+from moh_lightning.cli_errors import OneLineErrors, one_line_error
 from moh_lightning.cli_init_from import network_of_init_from, tokenizer_of_init_from
-from moh_lightning.errors import UsageError, missing_extra
+from moh_lightning.errors import UsageError, debugging, missing_extra
 from moh_lightning.lightning_compat import MoHRichProgressBar
 from moh_lightning.runs import (
     check_resumable,
