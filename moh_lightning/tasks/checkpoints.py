@@ -49,13 +49,14 @@ def checkpoint_task(raw: dict) -> str:
 
 
 def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], tool: str,
-                    map_location: str = "cpu") -> dict:
+                    map_location: str = "cpu", mmap: bool = False) -> dict:
     """The loaded checkpoint, after checking it was written by one of the ``expected`` task classes.
 
     The kind is the task's class path that LightningCLI saves with the hyper-parameters, else the type of the
     ``arch`` config, else told from the weights' names. A missing file, a file that is not a ``moh fit``
     checkpoint, one that would run code, or another task's checkpoint stops the tool with one line
-    (``SystemExit``); for another task's it names the kind it got and the tool that fits it.
+    (``SystemExit``); for another task's it names the kind it got and the tool that fits it. ``mmap`` maps the
+    tensors instead of reading them, for a tool that only checks the kind before something else loads the file.
     """
     path = Path(checkpoint)
     if not path.is_file():
@@ -64,7 +65,7 @@ def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], t
     names = {cls.__name__ for cls in expected}
     wanted = " or ".join(sorted(names))
     try:
-        raw = load_file(path, map_location=map_location)
+        raw = load_file(path, map_location=map_location, mmap=mmap)
     except UnsafeCheckpointError as error:
         raise SystemExit(f"moh {tool}: {error}") from None
     except Exception as error:  # not a torch file at all, or a damaged one

@@ -164,7 +164,7 @@ def lm_eval(
     include_path = task_folder(include_path) if include_path else None
     offline_unless_hub_answers()
     if checkpoint is not None:  # a damaged or foreign checkpoint stops the tool before any task touches a cache
-        read_checkpoint(checkpoint, LanguageModel, "lm-eval", map_location="meta")
+        read_checkpoint(checkpoint, LanguageModel, "lm-eval", mmap=True)  # its kind, without reading the weights
     # Tasks (and their data) load before the model, so a task that cannot stops the tool before a model is built.
     task_manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
     loaded = [obj for name in tasks or PAPER_TASKS for obj in load_task(task_manager, name)]
