@@ -1,6 +1,7 @@
 """``moh convert-hf``, ``convert-llama`` and ``export-hf``: MoH folders that ``transformers`` and lm-eval load."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.hf_causal import (
     HFCausalLM,
     build_hf_causal,
-    check_gated_layers,
+    check_layers,
     default_budget,
     export_hf_causal,
     family_config,
@@ -69,12 +70,17 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
         moh = MoHConfig(num_shared_heads=_one_or_list(shared), top_k=_one_or_list(kept), router="query_norm",
                         router_dtype=router_dtype)
         model = build_hf_causal(config, moh, weights=source, dtype=getattr(torch, dtype) if dtype else "auto")
-        check_gated_layers(model)
+        family_only = check_layers(model)
     tokenizer = source_tokenizer(source)
     written_dtype = next(model.parameters()).dtype
     routed = [h - s for h, s in zip(heads, shared, strict=True)]
     budget = (f"{_one_or_list(shared)} shared + top-{_one_or_list(kept)} of {_one_or_list(routed)} routed heads per "
               f"layer")
+    if family_only:
+        print(f"moh convert-hf: layers {', '.join(map(str, family_only))} keep {type(model.hf).__name__}'s own "
+              f"attention: on four tokens the suite's head-sparse kernels differ from it there (by up to "
+              f"{max(family_only.values()):.1e} of its largest output; it reads sinks, biases or scales from the "
+              f"module itself); recorded as moh_family_attention in config.json", file=sys.stderr)
     with created_folder(out):
         export_hf_causal(model, out, tokenizer, source=(
             f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` "

@@ -11,13 +11,14 @@ import shutil
 from pathlib import Path
 
 from moh_lightning.layers import moh_layers, query_norm
+from moh_lightning.models.hf_causal.checks import family_attention_layers
 from moh_lightning.models.hf_causal.network import HFCausalLM, attention_layers, config_budget, layer_heads
 
 # The remote code, read from beside this file so that writing a folder needs no transformers import of its own.
 _REMOTE_CODE = Path(__file__).with_name("hf_moh.py")
 _GATE_FILE = Path(query_norm.__file__).name
 _MOH_KEYS = ("moh_num_shared_heads", "moh_top_k", "moh_router", "moh_router_dtype", "moh_base_model_type",
-             "moh_two_stage_routing")
+             "moh_two_stage_routing", "moh_family_attention")
 
 
 def export_hf_causal(model: HFCausalLM, folder: str | Path, tokenizer=None, source: str = "not recorded",
@@ -39,6 +40,8 @@ def export_hf_causal(model: HFCausalLM, folder: str | Path, tokenizer=None, sour
                       moh_router_dtype=moh_layers(model)[0].router.score_dtype,
                       auto_map={"AutoConfig": f"{_REMOTE_CODE.name[:-3]}.MoHConfig",
                                 "AutoModelForCausalLM": f"{_REMOTE_CODE.name[:-3]}.MoHForCausalLM"})
+        if family_attention_layers(hf):  # the layers where conversion found the suite's kernels to differ
+            config["moh_family_attention"] = family_attention_layers(hf)
         shutil.copyfile(_REMOTE_CODE, folder / _REMOTE_CODE.name)
         shutil.copyfile(query_norm.__file__, folder / _GATE_FILE)
     else:

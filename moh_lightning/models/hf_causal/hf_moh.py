@@ -11,7 +11,10 @@ every field of the source, plus
 * ``moh_num_shared_heads`` / ``moh_top_k``: the head budget, one int for every layer or a list indexed by the
   attention modules' ``layer_idx``, ``null`` where that layer stays dense (a hybrid's linear-attention or state-space
   layers, which never call the attention interface);
-* ``moh_router: "query_norm"`` and ``moh_router_dtype`` (``"float32"``, or ``"activation"`` as the authors' code).
+* ``moh_router: "query_norm"`` and ``moh_router_dtype`` (``"float32"``, or ``"activation"`` as the authors' code);
+* ``moh_family_attention``, where ``moh convert-hf`` found the suite's head-sparse kernels to compute another attention
+  than the family's: those layers' ``layer_idx``, which ``moh_lightning`` runs with the family's attention alone (this
+  file always does).
 
 The MoH attention is registered as the implementations ``moh_sdpa`` and ``moh_eager``: each computes the family's
 ``sdpa`` or ``eager`` attention (softcapping, sliding windows and scalings included) and multiplies each head's output
@@ -66,8 +69,23 @@ def is_attention_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "layer_idx")
 
 
+def indexed_mask(attention_mask: torch.Tensor, indices: torch.Tensor | None, num_keys: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``attention_mask`` with only the keys a sparse-attention indexer picked for each query (``indices`` (B, T, k),
+    as DeepSeek-V3.2, GLM-5, HY-V4 and Mistral Large 3 hand them to the interface) left open: those families mask the
+    other keys themselves under ``eager`` and ``sdpa`` alone and hand the indices on to any other implementation (a
+    FlashMLA kernel's), the MoH ones included, which would otherwise attend over every key."""
+    if indices is None:
+        return attention_mask
+    dropped = indices.new_ones((*indices.shape[:2], num_keys), dtype=torch.bool).scatter(-1, indices.long(), False)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~dropped[:, None]
+    return attention_mask.masked_fill(dropped[:, None], torch.finfo(dtype).min)
+
+
 def _moh_attention(base: str):
     def moh_attention(module, query, key, value, attention_mask, **kwargs):
+        attention_mask = indexed_mask(attention_mask, kwargs.pop("indices", None), key.shape[2], query.dtype)
         heads = getattr(module, "moh_heads", None)
         if heads is not None:  # a layer moh_lightning trains: its routing module gates and attends
             return heads(module, query, key, value, attention_mask, base=base, **kwargs)

@@ -22,6 +22,7 @@ from torch import nn
 
 from moh_lightning.hf_configs import MOH_MODEL_TYPES, family_config
 from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
+from moh_lightning.layers.execution import attend as attend_heads
 from moh_lightning.layers.execution import execution_mode
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.decoding import decode
@@ -62,6 +63,9 @@ class InterfaceHeads(MoHHeads):
         self.execution = execution_mode(execution, "moh.execution")
         self.router = QueryNormRouter(num_heads, num_shared_heads, check_head_budget(num_heads, num_shared_heads,
                                                                                      top_k), router_dtype)
+        #: The layer always attends with the family's own attention: conversion found the suite's kernels to compute
+        #: another (``checks.check_layers``: the family reads sinks, biases or scales from the module itself).
+        self.family_only = False
 
     def sequence_length(self, args: tuple) -> int:
         return args[1].shape[2]  # (module, query (B, h, T, d), ...)
@@ -76,26 +80,49 @@ class InterfaceHeads(MoHHeads):
         decoding = num_keys > num_queries
         if self._suite_core_fits(query, scaling, kwargs) and self._head_sparse(gates, num_queries, num_keys,
                                                                                 decoding, causal=True):
-            # No mask from transformers means plain causal attention of the last queries over every key.
-            out = self.attend(query, key, value, gates, causal=attention_mask is None and num_queries > 1,
-                              offset=num_keys - num_queries, attn_mask=attention_mask, decoding=decoding,
+            out = self.attend(query, key, value, gates, causal=_causal(query, attention_mask),
+                              offset=key.shape[2] - query.shape[2], attn_mask=attention_mask, decoding=decoding,
                               dropout_p=dropout)
             return out, None
         out, weights = remote_code().family_attention(module, base)(module, query, key, value, attention_mask,
                                                               scaling=scaling, dropout=dropout, **kwargs)
         return out * gates[..., None].to(out.dtype), weights
 
-    def _suite_core_fits(self, query: torch.Tensor, scaling: float | None, kwargs: dict) -> bool:
-        """Whether the suite's kernels compute this layer's attention: SDPA's scale and none of soft-capping,
-        attention sinks or position biases. ``execution='sparse'`` on a layer they cannot compute stops."""
+    def suite_difference(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, base: str = "sdpa", scaling: float | None = None,
+                         dropout: float = 0.0, **kwargs) -> float | None:
+        """The largest difference between the suite's head-sparse kernels and the family's own attention on these
+        inputs, every head on, over the family's largest output (0 where both are 0); None where the layer never
+        runs the kernels (``_suite_core_fits``). What ``forward`` takes."""
+        if not self._suite_core_fits(query, scaling, kwargs, check=True):
+            return None
+        family, _ = remote_code().family_attention(module, base)(module, query, key, value, attention_mask,
+                                                                 scaling=scaling, dropout=0.0, **kwargs)
+        ones = query.new_ones(query.shape[0], query.shape[2], self.num_heads)
+        suite = attend_heads(query, key, value, ones, head_sparse=True, num_shared_heads=self.num_shared_heads,
+                             active_heads=self.num_heads, causal=_causal(query, attention_mask),
+                             offset=key.shape[2] - query.shape[2], attn_mask=attention_mask)
+        return ((suite.float() - family.float()).abs().max() / family.float().abs().max().clamp_min(1e-30)).item()
+
+    def _suite_core_fits(self, query: torch.Tensor, scaling: float | None, kwargs: dict, check: bool = False) -> bool:
+        """Whether the suite's kernels compute this layer's attention: SDPA's scale, none of soft-capping,
+        attention sinks or position biases, and no difference at conversion (``family_only``, unless ``check``).
+        ``execution='sparse'`` on a layer they cannot compute stops."""
         default_scale = scaling is None or abs(scaling - query.shape[-1] ** -0.5) < 1e-12
         extras = [name for name in _FAMILY_ONLY if kwargs.get(name) is not None]
-        fits = default_scale and not extras
-        if not fits and self.execution == "sparse":
-            reason = f"its {', '.join(extras)}" if extras else f"its scale {scaling:g} (not 1/sqrt(head_dim))"
+        fits = default_scale and not extras and (check or not self.family_only)
+        if not fits and self.execution == "sparse" and not check:
+            reason = (f"its {', '.join(extras)}" if extras else f"its scale {scaling:g} (not 1/sqrt(head_dim))"
+                      if not default_scale else "conversion found them to compute another attention in this layer: "
+                      "moh_family_attention in config.json")
             raise ValueError(f"moh.execution=sparse: the head-sparse kernels cannot compute this family's attention "
                              f"({reason}); use auto or masked.")
         return fits
+
+
+def _causal(query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """No mask from transformers means plain causal attention of the last queries over every key."""
+    return attention_mask is None and query.shape[2] > 1
 
 
 class HFCausalLM(nn.Module):
@@ -315,47 +342,9 @@ def build_hf_causal(config: dict, moh: MoHConfig | None, weights: str | None = N
                         or getattr(layer_config(family, layer.layer_idx), "num_key_value_heads", None) or heads)
             layer.moh_heads = InterfaceHeads(heads, kv_heads, head_dim, shared, top_k, moh.router_dtype,
                                              moh.execution)
+            layer.moh_heads.family_only = layer.layer_idx in (getattr(family, "moh_family_attention", None) or ())
         hf.config.moh_num_shared_heads, hf.config.moh_top_k = config_budget(hf)
     return HFCausalLM(hf)
-
-
-def check_gated_layers(model: HFCausalLM) -> None:
-    """Runs four tokens through ``model`` recording the modules that call the attention interface: the layers MoH
-    gates (``attention_layers``, read from the code) must be exactly the decoder layers' modules that do, else it
-    stops in one line, as the budget that ``config.json`` lists would not be the one that runs."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    hf = model.hf
-    implementation = hf.config._attn_implementation
-    attention = ALL_ATTENTION_FUNCTIONS[implementation]
-    called: dict[int, nn.Module] = {}
-
-    def recording(module, *args, **kwargs):
-        if remote_code().is_attention_layer(module):
-            called[id(module)] = module
-        return attention(module, *args, **kwargs)
-
-    AttentionInterface.register(implementation, recording)
-    training = hf.training
-    try:
-        with torch.no_grad():
-            hf.eval()(input_ids=torch.zeros(1, 4, dtype=torch.long, device=next(hf.parameters()).device),
-                      use_cache=False)
-    except Exception as error:  # noqa: BLE001 - whatever stops the family's forward, the layers stay unknown
-        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        raise ValueError(f"{type(hf).__name__}: a forward of four tokens, which tells the layers that go through "
-                         f"transformers' attention interface, stops ({reason[:120]}); convert a model that runs on "
-                         f"token ids alone.") from None
-    finally:
-        AttentionInterface.register(implementation, attention)
-        hf.train(training)
-    gated = {id(layer): layer for layer in attention_layers(hf)}
-    if called.keys() != gated.keys():
-        odd = [type(m).__name__ for key, m in {**called, **gated}.items() if (key in called) != (key in gated)]
-        raise ValueError(f"{type(hf).__name__}: cannot tell which layers go through transformers' attention "
-                         f"interface ({', '.join(sorted(set(odd)))} called it or not, unlike its code says); MoH "
-                         f"would gate other layers than config.json lists: not supported.")
 
 
 def _family_class(config) -> type:
@@ -392,5 +381,5 @@ def _from_pretrained(source: str, config, implementation: str | None, dtype: tor
 
 
 __all__ = ["HFCausalLM", "InterfaceHeads", "MOH_MODEL_TYPES", "attention_layers", "build_hf_causal", "calls_interface",
-           "check_gated_layers", "config_budget", "default_budget", "family_config", "head_budget", "layer_heads",
+           "config_budget", "default_budget", "family_config", "head_budget", "layer_heads",
            "query_heads", "read_source_config"]
