@@ -27,8 +27,8 @@ from hf_families import save_tiny, tiny_config  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 from moh_lightning.cli import main  # noqa: E402
+from moh_lightning.hf_configs import language_model_config  # noqa: E402
 from moh_lightning.models.hf_causal import query_heads  # noqa: E402
-from moh_lightning.models.hf_causal.network import language_model_config  # noqa: E402
 
 MAX_PARAMETERS = 20_000_000  # a default config that stays larger than this once shrunk is left out ("not built")
 

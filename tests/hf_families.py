@@ -87,6 +87,8 @@ _TINY = [
     (lambda key: key == "kv_lora_rank", 16), (lambda key: key == "q_lora_rank", 24),
     (lambda key: key in ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"), 8),
     (lambda key: key == "sliding_window", 6), (lambda key: key in ("n_group", "topk_group"), 1),
+    # A sparse-attention indexer's keys per query (DeepSeek-V3.2's, HY-V4's): fewer than the tokens compared.
+    (lambda key: key == "index_topk", 8),
     (lambda key: key == "hidden_size_per_layer_input", 16),  # Gemma 3n's per-layer inputs
     (lambda key: key == "num_kv_shared_layers", 0),  # Gemma 3n: later layers reuse earlier ones' keys and values
 ]
