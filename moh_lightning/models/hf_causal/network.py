@@ -281,7 +281,7 @@ def calls_interface(module: nn.Module) -> bool:
     """Whether ``module``'s own ``forward`` calls transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``), read
     from its code, not its class's name: a hybrid's linear attention (``BailingHybridDeltaAttention``) is named an
     attention and has a ``layer_idx`` but computes its own recurrence, and Longcat's ``LongcatFlashMLA`` goes through
-    the interface. ``check_gated_layers`` confirms it on a forward."""
+    the interface. ``checks.check_layers`` confirms it on a forward."""
     forward = inspect.unwrap(type(module).forward)  # under the family's decorators (deprecated keyword arguments)
     return "ALL_ATTENTION_FUNCTIONS" in getattr(getattr(forward, "__code__", None), "co_names", ())
 
