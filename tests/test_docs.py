@@ -50,6 +50,13 @@ def commands(page: Path) -> list[str]:
 DOC_COMMANDS = sorted({(page.relative_to(ROOT).as_posix(), command) for page in PAGES for command in commands(page)})
 
 
+def parse_cases() -> list:
+    """A case per command; a training command's parse builds LightningCLI's whole parser (about a second each, some
+    eighty of them), so those are slow, and the tools' (milliseconds) run in the quick subset."""
+    return [pytest.param(page, command, marks=[pytest.mark.slow] if command.split()[1] in LOOPS else [])
+            for page, command in DOC_COMMANDS]
+
+
 def arguments(command: str) -> list[str]:
     """The command's arguments as the shell would pass them: placeholders (``<ckpt>``) as one word, ``...`` and the
     brackets of an optional part left out."""
@@ -79,12 +86,15 @@ def checkable(args: list[str]) -> list[str]:
 
 def test_the_pages_hold_the_commands():
     pages = {page for page, _ in DOC_COMMANDS}
+    unknown = [(page, command) for page, command in DOC_COMMANDS
+               if arguments(command)[0] not in COMMANDS and arguments(command)[0] not in ("--help", "-h")]
+    assert unknown == [], "commands moh does not have"
     assert len(DOC_COMMANDS) >= 60
     assert {"README.md", "docs/getting-started.md", "docs/tasks/language-models.md"} <= pages
     assert ("README.md", "moh fit --config vit_tiny_mnist_75.yaml") in DOC_COMMANDS  # the quick start's main command
 
 
-@pytest.mark.parametrize("page, command", DOC_COMMANDS)
+@pytest.mark.parametrize("page, command", parse_cases())
 def test_every_command_on_a_page_parses(page, command, run_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = arguments(command)
