@@ -53,7 +53,7 @@ from moh_lightning.tools.bench.report import cpu_name, shared_machine
 
 # The repository's root: the ``moh fit`` process imports ``StepClock`` from here, as ``benchmarks.parity``.
 ROOT = Path(__file__).resolve().parents[1]
-# Each task's embedded CPU default, as the README names them.
+# Each task's embedded CPU default, as the docs name them.
 CONFIGS = ["vit_tiny_mnist_75", "dit_mnist_90", "llm_stdlib_75"]
 WARMUP = 10  # steps before the window: the allocator's, the first logging window's and the loader's first costs
 QUICK = {"repeats": 1, "steps": 10, "warmup": 3}

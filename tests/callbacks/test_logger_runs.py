@@ -1,4 +1,4 @@
-"""Every logger the README names, through the whole path of a run: ``moh fit``, Ctrl-C or SIGTERM, ``--ckpt_path
+"""Every logger the docs name, through the whole path of a run: ``moh fit``, Ctrl-C or SIGTERM, ``--ckpt_path
 last``, ``moh validate`` of its checkpoint. The run goes on in the same logger run, logs no step twice, and keeps its
 config, checkpoints and head-load files in its run folder and its logger run. The real libraries: TensorBoard's and
 the CSV logger's files, MLflow's default sqlite store and a tracking server on 127.0.0.1, W&B offline."""
@@ -34,7 +34,7 @@ ARGS = ["--config", f"{NAME}.yaml", "--trainer.max_steps=7", "--trainer.limit_tr
         "--head_load.images_every_n_windows=1",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         "--model.init_args.arch.depth=1", "--data.init_args.batch_size=16", "--checkpoint.every_n_train_steps=3"]
-# The README's recipes.
+# The dashboards page's recipes.
 LOGGERS = {
     "tensorboard": [],
     "csv": ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"],

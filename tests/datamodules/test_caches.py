@@ -30,7 +30,7 @@ def _all_tokens(folder: Path) -> list[int]:
 
 
 def _train(project: Path, monkeypatch) -> TextDataModule:
-    """The README's own-text run in ``project``: a relative ``corpus.txt`` and the default cache under HOME."""
+    """The own-data page's text run in ``project``: a relative ``corpus.txt`` and the default cache under HOME."""
     monkeypatch.chdir(project)
     data = TextDataModule(sources=[TextSource(path="corpus.txt")], seq_len=32, batch_size=2, val_samples=2)
     data.prepare_data()

@@ -238,7 +238,7 @@ def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly_leavin
         {key: uninterrupted["metrics"][key] for key in ("train/loss", "val/loss")}
 
     # Nothing left outside the sweep folder: no Ray session under /tmp/ray, no token file, no temporary folder; in
-    # HOME only matplotlib's font cache and config folder, as any `moh fit` that draws (the README names them).
+    # HOME only matplotlib's font cache and config folder, as any `moh fit` that draws (the docs name them).
     assert set(Path("/tmp/ray").glob("session_*")) == ray_sessions
     left = [path.relative_to(home) for path in home.rglob("*") if path.is_file()]
     assert all(path.parts[:2] in ((".cache", "matplotlib"), (".config", "matplotlib")) for path in left), left
