@@ -198,6 +198,11 @@ def check_resumable(version_dir: Path, current: dict) -> str | None:
     if not saved_file.is_file():
         return None
     saved = yaml.safe_load(saved_file.read_text()) or {}
+    saved_model = (saved.get("model") or {}).get("init_args") or {}
+    if saved_model.get("init_from") and saved_model.get("hf_config", {}) is None:
+        # Written before config.yaml recorded the source's transformers config: init_from, compared, names it.
+        current = {**current, "model": {**current["model"], "init_args": {**current["model"]["init_args"],
+                                                                         "hf_config": None}}}
     differing = [key for key in differing_settings(saved, current) if not _continuable(key)]
     if differing:
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")

@@ -14,7 +14,7 @@ source's config before anything is built (paper section 4.4: continue-tuning a p
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal
 
 import torch
@@ -152,7 +152,14 @@ class LanguageModel(MoHTask):
         self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
                            "top_p": top_p}
         self.save_hyperparameters(ignore=list(self.generation))  # not saved: see the class's docstring
-        self.hparams.hf_config = hf_config
+        if hf_config is not None:
+            # The network is the source's: its config and its vocabulary, whose embedding may have more rows than the
+            # tokenizer's size the data module links into arch.vocab_size. Saved again, so that the logged
+            # hyper-parameters (hparams.yaml) are the checkpoint's.
+            config = replace(config, vocab_size=family_config(hf_config).vocab_size)
+            arch = self.hparams.arch
+            arch = {**arch, "vocab_size": config.vocab_size} if isinstance(arch, dict) else config
+            self.save_hyperparameters({**self.hparams, "arch": arch, "hf_config": hf_config})
         check_numbers({**self.hparams, **self.generation}, "model.init_args")
         self.init_from = init_from
         self.hf_config = hf_config
