@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from moh_lightning.callbacks.logger_runs import CHECKPOINT_KEY, FOLDER_LOGGERS
+from moh_lightning.data.tokenizers import BYTE_TOKENIZER, RUN_TOKENIZER, load_tokenizer, tokenizer_identity
 from moh_lightning.outputs import check_name
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
@@ -219,6 +220,25 @@ def check_resumable(version_dir: Path, current: dict) -> str | None:
     return ", ".join(f"{key} {old.get(key)} -> {new.get(key)}" for key in changed) + "".join(f"; {n}" for n in notes)
 
 
+def read_kept_tokenizer(version_dir: Path, data_args) -> None:
+    """Points ``data_args.tokenizer`` at the copy the run keeps in its folder (``TextDataModule.keep_in_run_folder``)
+    where it names that copy or a tokenizer that makes the same ids (the folder it was copied from), so that
+    ``--ckpt_path last`` continues with the tokenizer saved; another tokenizer stays as named, and
+    ``check_resumable`` refuses it as another experiment."""
+    kept = version_dir / RUN_TOKENIZER
+    name = getattr(data_args, "get", lambda key: None)("tokenizer")
+    if not isinstance(name, str) or name == BYTE_TOKENIZER or not kept.is_dir():
+        return
+    if Path(name).expanduser().resolve() != kept.resolve():
+        try:
+            named, copy = load_tokenizer(name), load_tokenizer(str(kept))
+            if tokenizer_identity(name, named) != tokenizer_identity(str(kept), copy):
+                return
+        except OSError:  # no such tokenizer: the comparison of the settings names it
+            return
+    data_args.tokenizer = str(kept.resolve())
+
+
 @rank_zero_only
 def record_changes(version_dir: Path, checkpoint: Path, changes: str) -> None:
     """Says in one line what a resumed run changed, and appends it to the run folder's ``resumes.log``.
@@ -318,4 +338,5 @@ def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] 
 
 __all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "check_run_names",
            "checkpoint_problem", "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs",
-           "logs_in_folders", "next_version", "record_changes", "run_root", "use_run_folder", "versions"]
+           "logs_in_folders", "next_version", "read_kept_tokenizer", "record_changes", "run_root", "use_run_folder",
+           "versions"]

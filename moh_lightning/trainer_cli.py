@@ -49,6 +49,7 @@ from moh_lightning.runs import (
     logger_runs,
     logs_in_folders,
     next_version,
+    read_kept_tokenizer,
     record_changes,
     run_root,
     use_run_folder,
@@ -282,6 +283,7 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         else:  # the same MLflow or W&B run, kept in the checkpoint, in the same folder
             use_run_folder(config, version_dir, f"{version_dir.parent.name}/{version_dir.name}",
                            logger_runs(checkpoint), continues=True)
+        read_kept_tokenizer(version_dir, getattr(config.get("data"), "init_args", None))
         current = yaml.safe_load(compat.subcommand_parser(self, self.subcommand).dump(config, skip_none=False))
         # Said once the task is built, with what the change does to its schedule (_say_what_the_resume_changes).
         self.resumed = (version_dir, checkpoint, check_resumable(version_dir, current))

@@ -1,14 +1,22 @@
-"""A run folder that travels: what it records (a continue-tuned model's own config, its vocabulary), and what a
-resume from it says and does not say."""
+"""A run folder that travels: what it keeps and records (a local tokenizer, a continue-tuned model's own config and
+vocabulary), what reads it from elsewhere, and what a resume from it says."""
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import yaml
+from hf_families import train_tokenizer
+from jsonargparse import Namespace
 from tiny_models import tiny_llama_config
 
-from moh_lightning.runs import check_resumable
+from moh_lightning.data.text import TextDataModule
+from moh_lightning.data.tokenizers import load_tokenizer, tokenizer_identity
+from moh_lightning.runs import check_resumable, read_kept_tokenizer
 from moh_lightning.settings import compare_with_checkpoint
+from moh_lightning.tasks.checkpoints import load_language_model, write_checkpoint
 from moh_lightning.tasks.language_model import SCHEDULE_STEPS, LanguageModel
 
 GRANITE = {"model_type": "granite", "vocab_size": 320, "hidden_size": 64, "embedding_multiplier": 3.0}
@@ -49,3 +57,60 @@ def test_a_resume_with_a_larger_budget_says_how_the_schedule_changes():
     assert task.schedule_change(older, data, trainer).startswith("the learning-rate schedule now spans 50 steps: ")
     data.hparams.batch_size = 5  # a batch whose budget spans 40 steps again
     assert task.schedule_change(older, data, trainer) is None
+
+
+def test_a_tokenizer_read_from_a_local_folder_is_kept_in_the_run_folder(run_dir):
+    """`--data.init_args.tokenizer moh75`, a folder named relative to the working folder: the run keeps a copy in
+    `<run>/tokenizer` and records it by its absolute path (once `moh75` as written, which every tool then asked the
+    hub for); `byte` and a copy already there are left as they are."""
+    train_tokenizer(run_dir / "moh75")
+    data = TextDataModule(tokenizer="moh75")
+    run = Path("runs/x/version_0")
+    assert data.keep_in_run_folder(run) == {"tokenizer": str(run_dir / run / "tokenizer")}
+    assert data.hparams.tokenizer == str(run_dir / run / "tokenizer") and Path(data.hparams.tokenizer).is_absolute()
+    copy = load_tokenizer(data.hparams.tokenizer)
+    assert tokenizer_identity("", copy) == tokenizer_identity("", load_tokenizer("moh75"))
+    written = {p: p.stat().st_mtime_ns for p in (run / "tokenizer").iterdir()}
+    assert data.keep_in_run_folder(run) == {} and {p: p.stat().st_mtime_ns for p in written} == written
+    assert TextDataModule().keep_in_run_folder(run) == {}  # byte: nothing to keep
+
+
+def test_a_resume_naming_the_tokenizer_it_copied_reads_the_copy(tmp_path, monkeypatch):
+    """`--ckpt_path last` with `--data.init_args.tokenizer moh75` typed again reads the run's copy (the same ids), so
+    the saved settings match; another tokenizer stays as named, for the settings' check to refuse."""
+    monkeypatch.chdir(tmp_path)
+    train_tokenizer(tmp_path / "moh75")
+    version = tmp_path / "runs" / "x" / "version_0"
+    load_tokenizer("moh75").save_pretrained(version / "tokenizer")
+    args = Namespace(tokenizer="moh75")
+    read_kept_tokenizer(version, args)
+    assert args.tokenizer == str(version / "tokenizer")
+    other = Namespace(tokenizer="byte")
+    read_kept_tokenizer(version, other)
+    assert other.tokenizer == "byte"
+
+
+def test_a_checkpoint_reads_the_kept_tokenizer_beside_it_after_its_run_folder_moved(tmp_path):
+    train_tokenizer(tmp_path / "moved" / "version_0" / "tokenizer")
+    task = LanguageModel(tiny_llama_config())
+    task.configure_model()
+    checkpoint = write_checkpoint(tmp_path / "moved" / "version_0" / "checkpoints" / "last.ckpt", LanguageModel,
+                                  dict(task.hparams), task.state_dict(),
+                                  {"tokenizer": str(tmp_path / "gone" / "version_0" / "tokenizer")})
+    _, data_hparams = load_language_model(checkpoint)
+    assert data_hparams["tokenizer"] == str(tmp_path / "moved" / "version_0" / "tokenizer")
+
+
+def test_offline_a_name_that_is_no_folder_here_fails_at_once_in_one_line(run_dir, monkeypatch):
+    """A hub that does not answer: offline mode is turned on and the name fails at once (it once retried the hub
+    five times, 35 s to 78 s), saying it is no folder of the working folder and in no cache."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    started = time.monotonic()
+    with pytest.raises(OSError) as error:
+        load_tokenizer("moh75", key="--tokenizer")
+    assert time.monotonic() - started < 20 and constants.HF_HUB_OFFLINE
+    assert str(error.value).startswith(f"--tokenizer='moh75': cannot load it: no folder moh75 in {run_dir}, and "
+                                       f"offline no hub id moh75 in the Hugging Face cache; ")
