@@ -51,6 +51,7 @@ from moh_lightning.runs import (
     next_version,
     read_kept_tokenizer,
     record_changes,
+    resolve_source_paths,
     run_root,
     use_run_folder,
 )
@@ -192,6 +193,8 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         tokenizer_of_init_from(config)
         if not self.checkpoint_hparams:  # a run from a checkpoint has the network saved with it
             network_of_init_from(config, self._named_model_keys)
+        if self.subcommand == "fit":
+            resolve_source_paths(getattr(config.get("data"), "init_args", None))
         if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
             self._resume_last(config, init_args)
         if self.subcommand in EVALUATIONS and init_args is not None:
