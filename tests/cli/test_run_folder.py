@@ -7,17 +7,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
-from hf_families import train_tokenizer
+from conftest import run_checkpoints
+from hf_families import TEXT, train_tokenizer
 from jsonargparse import Namespace
 from tiny_models import tiny_llama_config
 
+from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule
 from moh_lightning.data.tokenizers import load_tokenizer, tokenizer_identity
-from moh_lightning.runs import check_resumable, read_kept_tokenizer
+from moh_lightning.runs import check_resumable, read_kept_tokenizer, resolve_source_paths
 from moh_lightning.settings import compare_with_checkpoint
 from moh_lightning.tasks.checkpoints import load_language_model, write_checkpoint
 from moh_lightning.tasks.language_model import SCHEDULE_STEPS, LanguageModel
+from moh_lightning.tools.generate import generate
 
 GRANITE = {"model_type": "granite", "vocab_size": 320, "hidden_size": 64, "embedding_multiplier": 3.0}
 
@@ -114,3 +118,52 @@ def test_offline_a_name_that_is_no_folder_here_fails_at_once_in_one_line(run_dir
     assert time.monotonic() - started < 20 and constants.HF_HUB_OFFLINE
     assert str(error.value).startswith(f"--tokenizer='moh75': cannot load it: no folder moh75 in {run_dir}, and "
                                        f"offline no hub id moh75 in the Hugging Face cache; ")
+
+
+def test_local_source_paths_are_recorded_resolved_and_compare_so_on_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "rows.jsonl").write_text("{}")
+    args = Namespace(sources=[Namespace(path="corpus", data_files=None), Namespace(path="python-stdlib"),
+                              Namespace(path=None, data_files=["rows.jsonl", "missing.jsonl"])])
+    resolve_source_paths(args)
+    assert [s.get("path") for s in args.sources] == [str(tmp_path / "corpus"), "python-stdlib", None]
+    assert args.sources[2].data_files == [str(tmp_path / "rows.jsonl"), "missing.jsonl"]
+    # A config.yaml that kept the path as typed resumes the same files named by their absolute path.
+    saved = {"model": {}, "data": {"init_args": {"sources": [{"path": "corpus"}]}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    current = {"model": {}, "data": {"init_args": {"sources": [{"path": str(tmp_path / "corpus")}]}}}
+    assert check_resumable(tmp_path, current) is None
+
+
+@pytest.mark.slow
+def test_a_run_with_a_local_tokenizer_is_read_from_another_folder_offline(tmp_path, monkeypatch, capsys):
+    """The issue's walk (offline, HF_HUB_OFFLINE set by conftest): a tiny LM trained in one folder with
+    `--data.init_args.tokenizer moh75` and a relative corpus; from another folder `moh generate` and `moh validate` on
+    its checkpoint work, and back in the first, `--ckpt_path last` with a larger budget, `moh75` typed again,
+    continues the run and says what changes."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir(), other.mkdir()
+    monkeypatch.chdir(first)
+    train_tokenizer(first / "moh75")
+    (first / "my.txt").write_text(TEXT * 40)
+    fit = ["fit", "--config", "llm_stdlib_75.yaml", "--data.init_args.sources", "[{path: my.txt, val_fraction: 0.2}]",
+           "--data.init_args.tokenizer", "moh75", "--data.init_args.batch_size", "4", "--data.init_args.seq_len", "32",
+           "--model.init_args.arch.block_size", "32", "--model.init_args.arch.depth", "1",
+           "--model.init_args.arch.embed_dim", "32", "--model.init_args.arch.head_dim", "8",
+           "--model.init_args.arch.intermediate_size", "64", "--trainer.val_check_interval", "2",
+           "--trainer.limit_val_batches", "1", "--checkpoint.every_n_train_steps", "2",
+           "--model.init_args.warmup_steps", "1", "--trainer.enable_progress_bar", "false"]
+    moh([*fit, "--model.init_args.max_tokens", str(4 * 4 * 32)])
+    checkpoint = run_checkpoints("llm_stdlib_75").resolve() / "last.ckpt"
+    monkeypatch.chdir(other)
+    texts = generate(checkpoint=str(checkpoint), prompt="def ", max_new_tokens=4, temperature=0)
+    assert len(texts) == 1
+    capsys.readouterr()
+    moh(["validate", "--ckpt_path", str(checkpoint), "--trainer.enable_progress_bar", "false"])
+    assert "moh validate: metrics and head load in" in capsys.readouterr().out
+    monkeypatch.chdir(first)
+    moh([*fit, "--model.init_args.max_tokens", str(8 * 4 * 32), "--ckpt_path", "last"])
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moh: continuing")]
+    assert len(said) == 1 and "max_tokens 512 -> 1024; the learning-rate schedule now spans 8 steps, not 4" in said[0]
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 8
