@@ -35,7 +35,8 @@ def tokenizer_of_init_from(config) -> None:
 def network_of_init_from(config, named_model_keys: Callable[[], dict]) -> None:
     """The source's shapes and head budget fill each ``arch`` key this command leaves unnamed (``named_model_keys``:
     the ``model.init_args`` keys its configs and options name), so a partial ``moh`` (``top_k 2`` on a 2-shared
-    source) keeps the source's other keys. A shape named otherwise than the source's stops in one line."""
+    source) keeps the source's other keys, and its ``transformers`` config fills ``hf_config`` (Granite's multipliers,
+    Gemma's activation: what no ``arch`` key says). A shape named otherwise than the source's stops in one line."""
     init_args = _language_model_args(config)
     if init_args is None or init_args.get("arch") is None:
         return
@@ -43,9 +44,12 @@ def network_of_init_from(config, named_model_keys: Callable[[], dict]) -> None:
     if not source:
         return
     try:
-        network = source_arch(read_source_config(source))
+        source_config = read_source_config(source)
+        network = source_arch(source_config)
     except (OSError, ValueError):
         return  # LanguageModel stops on it in one line
+    if init_args.get("hf_config") is None:  # the family's own settings, so that config.yaml alone builds the network
+        init_args.hf_config = source_config
     named = [key.removeprefix("arch.") for key in named_model_keys() if key.startswith("arch.")]
     dense = init_args.arch.get("moh") is None
     for key in named:  # a shape named otherwise than the source's, before the budget is checked against it

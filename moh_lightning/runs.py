@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from moh_lightning.callbacks.logger_runs import CHECKPOINT_KEY, FOLDER_LOGGERS
+from moh_lightning.data.tokenizers import BYTE_TOKENIZER, RUN_TOKENIZER, load_tokenizer, tokenizer_identity
 from moh_lightning.outputs import check_name
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 
@@ -198,6 +199,12 @@ def check_resumable(version_dir: Path, current: dict) -> str | None:
     if not saved_file.is_file():
         return None
     saved = yaml.safe_load(saved_file.read_text()) or {}
+    resolve_source_paths((saved.get("data") or {}).get("init_args"))  # a config.yaml that kept them relative
+    saved_model = (saved.get("model") or {}).get("init_args") or {}
+    if saved_model.get("init_from") and saved_model.get("hf_config", {}) is None:
+        # Written before config.yaml recorded the source's transformers config: init_from, compared, names it.
+        current = {**current, "model": {**current["model"], "init_args": {**current["model"]["init_args"],
+                                                                         "hf_config": None}}}
     differing = [key for key in differing_settings(saved, current) if not _continuable(key)]
     if differing:
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
@@ -212,6 +219,42 @@ def check_resumable(version_dir: Path, current: dict) -> str | None:
     notes = [note for allowed, note in CONTINUABLE_KEYS.items() if note and any(
         key == allowed or key.startswith(f"{allowed}.") for key in changed)]
     return ", ".join(f"{key} {old.get(key)} -> {new.get(key)}" for key in changed) + "".join(f"; {n}" for n in notes)
+
+
+def resolve_source_paths(data_args) -> None:
+    """A data module's local text sources named relative to the working folder (``path``, ``data_files``), named by
+    their absolute paths: the run's config.yaml and checkpoints then read them from any folder (``moh validate
+    --ckpt_path`` run elsewhere), and a resume compares them as the files they are. ``data_args``: a config's or a
+    saved config.yaml's ``data.init_args``; a name that is no file here (``python-stdlib``, a hub dataset) stays."""
+    for source in (data_args.get("sources") if data_args is not None else None) or []:
+        for key in ("path", "data_files"):
+            value = source.get(key)
+            if isinstance(value, str | list):
+                source[key] = _absolute(value) if isinstance(value, str) else [_absolute(v) for v in value]
+
+
+def _absolute(path: str) -> str:
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
+def read_kept_tokenizer(version_dir: Path, data_args) -> None:
+    """Points ``data_args.tokenizer`` at the copy the run keeps in its folder (``TextDataModule.keep_in_run_folder``)
+    where it names that copy or a tokenizer that makes the same ids (the folder it was copied from), so that
+    ``--ckpt_path last`` continues with the tokenizer saved; another tokenizer stays as named, and
+    ``check_resumable`` refuses it as another experiment."""
+    kept = version_dir / RUN_TOKENIZER
+    name = getattr(data_args, "get", lambda key: None)("tokenizer")
+    if not isinstance(name, str) or name == BYTE_TOKENIZER or not kept.is_dir():
+        return
+    if Path(name).expanduser().resolve() != kept.resolve():
+        try:
+            named, copy = load_tokenizer(name), load_tokenizer(str(kept))
+            if tokenizer_identity(name, named) != tokenizer_identity(str(kept), copy):
+                return
+        except OSError:  # no such tokenizer: the comparison of the settings names it
+            return
+    data_args.tokenizer = str(kept.resolve())
 
 
 @rank_zero_only
@@ -313,4 +356,5 @@ def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] 
 
 __all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "check_run_names",
            "checkpoint_problem", "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs",
-           "logs_in_folders", "next_version", "record_changes", "run_root", "use_run_folder", "versions"]
+           "logs_in_folders", "next_version", "read_kept_tokenizer", "record_changes", "resolve_source_paths",
+           "run_root", "use_run_folder", "versions"]

@@ -8,6 +8,7 @@ Every run writes into its own run folder ``runs/<name>/version_N/`` (events, res
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -48,10 +49,13 @@ from moh_lightning.runs import (
     logger_runs,
     logs_in_folders,
     next_version,
+    read_kept_tokenizer,
     record_changes,
+    resolve_source_paths,
     run_root,
     use_run_folder,
 )
+from moh_lightning.serialization import load_file
 from moh_lightning.settings import (
     LINKED_SIZES,
     checkpoint_settings,
@@ -118,7 +122,7 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         # DDP launcher starts each further process from sys.argv, which then expands it the same way. (LightningCLI
         # warns when both are given, a guard against mistakes that does not apply here.)
         self.config = parser.parse_args(args)
-        self.given_args, self.checkpoint_hparams = list(args), None
+        self.given_args, self.checkpoint_hparams, self.resumed = list(args), None, None
         # An explicit checkpoint's settings are read next (_parse_ckpt_path); a missing file, one that names a type no
         # checkpoint needs and another task's checkpoint are refused here first, in one line.
         subcommand = self.config.get("subcommand")
@@ -189,6 +193,8 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         tokenizer_of_init_from(config)
         if not self.checkpoint_hparams:  # a run from a checkpoint has the network saved with it
             network_of_init_from(config, self._named_model_keys)
+        if self.subcommand == "fit":
+            resolve_source_paths(getattr(config.get("data"), "init_args", None))
         if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
             self._resume_last(config, init_args)
         if self.subcommand in EVALUATIONS and init_args is not None:
@@ -280,11 +286,28 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
         else:  # the same MLflow or W&B run, kept in the checkpoint, in the same folder
             use_run_folder(config, version_dir, f"{version_dir.parent.name}/{version_dir.name}",
                            logger_runs(checkpoint), continues=True)
+        read_kept_tokenizer(version_dir, getattr(config.get("data"), "init_args", None))
         current = yaml.safe_load(compat.subcommand_parser(self, self.subcommand).dump(config, skip_none=False))
-        changes = check_resumable(version_dir, current)
+        # Said once the task is built, with what the change does to its schedule (_say_what_the_resume_changes).
+        self.resumed = (version_dir, checkpoint, check_resumable(version_dir, current))
+        config.ckpt_path = str(checkpoint)
+        # The checkpoint folder Lightning warns "exists and is not empty" holds the checkpoints this run continues,
+        # named as Lightning names it: from the logger's save_dir as given, or resolved where a dirpath is.
+        for folder in {os.path.join(logger_args.get("save_dir") or "", version_dir.parent.name, version_dir.name,
+                                    "checkpoints"), os.path.realpath(version_dir / "checkpoints")}:
+            warnings.filterwarnings("ignore", message=f"Checkpoint directory {re.escape(folder)} exists and is not "
+                                                      f"empty")
+
+    def _say_what_the_resume_changes(self) -> None:
+        """One line, and the run folder's resumes.log, saying what ``--ckpt_path last`` continues with otherwise than
+        the run was saved with: its settings, and what they do to the task's schedule (``schedule_change``)."""
+        version_dir, checkpoint, changes = self.resumed
+        schedule_change = getattr(self.model, "schedule_change", None)
+        if self.subcommand == "fit" and schedule_change is not None and not checkpoint.is_dir():
+            schedule = schedule_change(load_file(checkpoint, mmap=True), self.datamodule, self.trainer)
+            changes = "; ".join(part for part in (changes, schedule) if part) or None
         if changes:
             record_changes(version_dir, checkpoint, changes)
-        config.ckpt_path = str(checkpoint)
 
     def before_predict(self) -> None:
         """``moh predict`` where the task or the data cannot predict (no images or prompts given, a diffusion model)
@@ -323,6 +346,8 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
                 print(line, file=sys.stderr)
         if self.subcommand and isinstance(self.model, MoHTask):
             self.model.restores_checkpoint = bool(self.config[self.subcommand].get("ckpt_path"))
+        if self.resumed is not None:
+            self._say_what_the_resume_changes()
 
 
 def one_thread_per_forked_cpu_process(trainer) -> None:

@@ -17,7 +17,7 @@ PACKAGE = Path(moh_lightning.__file__).parent
 # layers <- models (and the diffusion maths, the data modules) <- tasks <- tools and callbacks <- cli (and the sweep,
 # which drives the CLI, with its report).
 FLOORS = {"configs": 0, "errors": 0, "outputs": 0, "value_checks": 0, "serialization": 0, "weights": 0,
-          "lightning_compat": 0, "cli_errors": 0, "hf_configs": 0, "cli_args": 1, "layers": 0, "models": 1,
+          "lightning_compat": 0, "cli_errors": 0, "hf_configs": 0, "hub": 0, "cli_args": 1, "layers": 0, "models": 1,
           "diffusion": 1, "data": 1, "metrics": 1, "tasks": 2, "callbacks": 3, "tools": 3, "checkpoint_io": 3,
           "runs": 4, "settings": 4, "trainer_cli": 4, "cli_init_from": 4, "sweep": 4, "cli": 4}
 

@@ -219,7 +219,9 @@ class SaveRunConfig(SaveConfigCallback):
 
     Lightning's writes into ``trainer.log_dir``, which an MLflow logger on a database or a tracking server does not
     have (Lightning then stops on a bare ``AssertionError``), and which is a W&B logger's shared ``save_dir``.
-    A run without a run folder (no logger, ``fast_dev_run``) writes none.
+    A run without a run folder (no logger, ``fast_dev_run``) writes none. A training run's data module first copies
+    into the run folder what it reads from local folders (``keep_in_run_folder``: a tokenizer), and the config
+    records the copy.
     """
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -228,6 +230,10 @@ class SaveRunConfig(SaveConfigCallback):
         folder = run_folder(trainer)
         if folder is not None and trainer.is_global_zero:
             folder.mkdir(parents=True, exist_ok=True)
+            keep = getattr(trainer.datamodule, "keep_in_run_folder", None)
+            if stage == "fit" and keep is not None:
+                for key, value in keep(folder).items():
+                    self.config.data.init_args[key] = value
             self.parser.save(self.config, str(folder / self.config_filename), skip_none=False,
                              overwrite=self.overwrite, multifile=self.multifile)
         self.already_saved = True

@@ -27,7 +27,7 @@ from moh_lightning.data.token_arrays import (
     open_tokens,
     tokenize_source,
 )
-from moh_lightning.data.tokenizers import BYTE_TOKENIZER, load_tokenizer
+from moh_lightning.data.tokenizers import BYTE_TOKENIZER, RUN_TOKENIZER, load_tokenizer
 from moh_lightning.errors import BadValueError
 from moh_lightning.value_checks import check_numbers
 
@@ -86,6 +86,21 @@ class TextDataModule(LightningDataModule):
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.hparams.tokenizer, key="data.init_args.tokenizer")
         return self._tokenizer
+
+    def keep_in_run_folder(self, run: Path) -> dict[str, str]:
+        """A tokenizer read from a local folder is saved into the run folder (``tokenizer/``, by transformers'
+        ``save_pretrained``) and read from there on, by its absolute path, which the run's checkpoints and config.yaml
+        then record: the run's tools, evaluations and resumes need neither the folder it came from nor the working
+        folder it was named from. Returns the settings changed so (``{"tokenizer": ...}``); ``byte`` and hub ids stay
+        as named, and a tokenizer already in the run folder (a resumed run's) is not written again."""
+        name = self.hparams.tokenizer
+        kept = (run / RUN_TOKENIZER).resolve()
+        if name == BYTE_TOKENIZER or not Path(name).expanduser().is_dir() or Path(name).expanduser().resolve() == kept:
+            return {}
+        if not kept.exists():
+            self.tokenizer.save_pretrained(kept)
+        self.hparams.tokenizer = str(kept)
+        return {"tokenizer": str(kept)}
 
     @property
     def vocab_size(self) -> int:

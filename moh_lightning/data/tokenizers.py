@@ -12,8 +12,11 @@ import numpy as np
 
 from moh_lightning.errors import MissingDataError
 from moh_lightning.hf_configs import MOH_MODEL_TYPES, family_config
+from moh_lightning.hub import offline_unless_hub_answers
 
 BYTE_TOKENIZER = "byte"
+#: The folder of a run folder that holds the run's own copy of a tokenizer read from a local folder.
+RUN_TOKENIZER = "tokenizer"
 _BYTE_OFFSET = 3  # ByT5Tokenizer: pad 0, eos 1, unk 2, then the 256 byte values.
 _SPECIAL = ("<pad>", "</s>", "<unk>")
 
@@ -57,13 +60,19 @@ def load_tokenizer(name: str, key: str = "tokenizer"):
     from transformers import AutoTokenizer
 
     advice = "give a tokenizer folder (written by save_pretrained), a hub id that is reachable or cached, or 'byte'"
-    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+    folder = Path(name).expanduser()
+    if name.startswith(("/", "./", "../", "~")) and not folder.exists():
         raise MissingDataError(f"{key}={name!r}: no such folder; {advice}.")
+    # A name that is no folder here is a hub id: offline, it is read from the cache or fails at once.
+    offline = not folder.is_dir() and offline_unless_hub_answers()
     try:
         # A tokenizer runs no custom code here; the folders `moh convert-hf` / `export-hf` write hold a model's remote
         # code beside the tokenizer, which transformers would otherwise ask about, stopping a run at a prompt.
         return AutoTokenizer.from_pretrained(name, trust_remote_code=False, config=_moh_family_config(name))
     except (OSError, ValueError) as error:
+        if offline:
+            raise MissingDataError(f"{key}={name!r}: cannot load it: no folder {name} in {Path.cwd()}, and offline "
+                                   f"no hub id {name} in the Hugging Face cache; {advice}.") from None
         # transformers' messages run over several lines; the first says what failed.
         reason = str(error).strip().splitlines()[0].rstrip(" :")
         raise MissingDataError(f"{key}={name!r}: cannot load it ({reason}); {advice}.") from None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from moh_lightning.data.tokenizers import RUN_TOKENIZER
 from moh_lightning.serialization import UnsafeCheckpointError, load_file
 from moh_lightning.tasks.language_model import LanguageModel
 
@@ -86,9 +87,17 @@ def read_checkpoint(checkpoint: str | Path, expected: type | tuple[type, ...], t
 
 def load_language_model(checkpoint: str | Path, map_location: str = "cpu",
                         tool: str = "generate") -> tuple[LanguageModel, dict]:
-    """A trained ``LanguageModel`` in eval mode and its data module's hyper-parameters (tokenizer, ...)."""
+    """A trained ``LanguageModel`` in eval mode and its data module's hyper-parameters (tokenizer, ...).
+
+    A tokenizer the run keeps in its folder (``TextDataModule.keep_in_run_folder``) is recorded by its absolute path;
+    where the run folder has moved since, the copy beside this checkpoint (``<run>/tokenizer``) is the one read.
+    """
     raw = read_checkpoint(checkpoint, LanguageModel, tool, map_location)
     data_hparams = dict(raw.get("datamodule_hyper_parameters") or {})
+    recorded, kept = data_hparams.get("tokenizer"), Path(checkpoint).resolve().parent.parent / RUN_TOKENIZER
+    moved = isinstance(recorded, str) and Path(recorded).name == RUN_TOKENIZER and not Path(recorded).exists()
+    if moved and kept.is_dir():
+        data_hparams["tokenizer"] = str(kept)
     hparams = dict(raw["hyper_parameters"])
     hparams["init_from"] = hparams["init_from_hf"] = None  # the checkpoint already holds the converted weights
     task = LanguageModel(**{k: v for k, v in hparams.items() if not k.startswith("_")})

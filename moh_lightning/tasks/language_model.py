@@ -14,7 +14,7 @@ source's config before anything is built (paper section 4.4: continue-tuning a p
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal
 
 import torch
@@ -34,6 +34,8 @@ from moh_lightning.models.llama import LlamaConfig, MoHLlama
 from moh_lightning.tasks.base import MoHTask, init_from_option, weight_decay_groups
 from moh_lightning.value_checks import check_numbers
 
+#: The checkpoint's key for the optimizer steps its learning-rate schedule spans (``schedule_change``).
+SCHEDULE_STEPS = "schedule_steps"
 # LlamaConfig's fields -> the transformers config's, for the shapes and settings a source gives (``check_arch``).
 _SOURCE_FIELDS = {"depth": "num_hidden_layers", "embed_dim": "hidden_size", "num_heads": "num_attention_heads",
                   "head_dim": "head_dim", "num_kv_heads": "num_key_value_heads",
@@ -152,7 +154,14 @@ class LanguageModel(MoHTask):
         self.generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k_tokens": top_k_tokens,
                            "top_p": top_p}
         self.save_hyperparameters(ignore=list(self.generation))  # not saved: see the class's docstring
-        self.hparams.hf_config = hf_config
+        if hf_config is not None:
+            # The network is the source's: its config and its vocabulary, whose embedding may have more rows than the
+            # tokenizer's size the data module links into arch.vocab_size. Saved again, so that the logged
+            # hyper-parameters (hparams.yaml) are the checkpoint's.
+            config = replace(config, vocab_size=family_config(hf_config).vocab_size)
+            arch = self.hparams.arch
+            arch = {**arch, "vocab_size": config.vocab_size} if isinstance(arch, dict) else config
+            self.save_hyperparameters({**self.hparams, "arch": arch, "hf_config": hf_config})
         check_numbers({**self.hparams, **self.generation}, "model.init_args")
         self.init_from = init_from
         self.hf_config = hf_config
@@ -245,6 +254,7 @@ class LanguageModel(MoHTask):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint[SCHEDULE_STEPS] = self.total_steps()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
@@ -256,20 +266,41 @@ class LanguageModel(MoHTask):
         budget = self.total_steps()
         loop.epoch_loop.max_steps = budget if loop.max_steps == -1 else min(loop.max_steps, budget)
 
-    def total_steps(self) -> int:
-        """Optimizer steps in the token budget, from the data module's batch shape and the accumulation."""
-        data = self.trainer.datamodule
-        tokens_per_step = (data.hparams.batch_size * data.hparams.seq_len * self.trainer.accumulate_grad_batches
-                           * self.trainer.world_size)
+    def total_steps(self, data=None, trainer=None) -> int:
+        """Optimizer steps in the token budget, from the data module's batch shape and the accumulation; the attached
+        trainer's and data module's unless given."""
+        trainer = trainer or self.trainer
+        data = data or trainer.datamodule
+        tokens_per_step = (data.hparams.batch_size * data.hparams.seq_len * trainer.accumulate_grad_batches
+                           * trainer.world_size)
         return max(1, math.ceil(self.hparams.max_tokens / tokens_per_step))
+
+    def schedule(self, total_steps: int):
+        """The learning rate at each optimizer step of a run of ``total_steps``."""
+        return warmup_cosine(self.hparams.lr, self.hparams.min_lr, self.hparams.warmup_lr, self.hparams.warmup_steps,
+                             total_steps)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(weight_decay_groups(self.model, self.hparams.weight_decay),
                                       lr=self.hparams.lr, betas=tuple(self.hparams.betas))
-        schedule = warmup_cosine(self.hparams.lr, self.hparams.min_lr, self.hparams.warmup_lr,
-                                 self.hparams.warmup_steps, self.total_steps())
+        schedule = self.schedule(self.total_steps())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step) / self.hparams.lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def schedule_change(self, checkpoint: dict, data, trainer) -> str | None:
+        """What resuming ``checkpoint`` with this budget and batch shape (``data``, ``trainer``) does to the learning
+        rate, as a clause of the resume's line; None where nothing. The restored scheduler keeps its step and takes
+        this run's length, so a larger ``max_tokens`` stretches the cosine and moves the learning rate at once."""
+        saved = (checkpoint.get("lr_schedulers") or [None])[0]
+        if saved is None:
+            return None
+        before, now = checkpoint.get(SCHEDULE_STEPS), self.total_steps(data, trainer)
+        step, lr_before = saved["last_epoch"], saved["_last_lr"][0]
+        lr_now = self.schedule(now)(step)
+        if before == now or before is None and math.isclose(lr_before, lr_now, rel_tol=1e-6):
+            return None
+        length = f"{now} steps" + (f", not {before}" if before is not None else "")
+        return f"the learning-rate schedule now spans {length}: lr at step {step} {lr_before:.2g} -> {lr_now:.2g}"
 
 
 def check_arch(config: LlamaConfig, hf_config: dict, source: str) -> None:

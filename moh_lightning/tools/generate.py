@@ -48,7 +48,7 @@ def generate(
         model, tokenizer_name = task.model, tokenizer or data_hparams.get("tokenizer")
     if tokenizer_name is None:
         raise BadValueError(f"checkpoint {checkpoint} does not record its tokenizer: pass --tokenizer.")
-    tok = load_tokenizer(tokenizer_name)
+    tok = load_tokenizer(tokenizer_name, key="--tokenizer" if tokenizer else "tokenizer")
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise BadValueError("--prompt is empty after tokenisation: give some text to continue.")

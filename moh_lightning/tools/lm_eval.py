@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 
 from moh_lightning.configs import config_dir
 from moh_lightning.errors import BadValueError
+from moh_lightning.hub import offline_unless_hub_answers as hub_offline
 from moh_lightning.outputs import check_output_file
 from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.language_model import LanguageModel
@@ -121,6 +122,8 @@ def lm_eval(
         include_defaults: bool = True,
         add_bos_token: bool | None = None,
         output: str | None = None,
+        log_samples: bool = False,
+        tokenizer: str | None = None,
         trust_remote_code: bool = False,
         dtype: str | None = None,
         overwrite: bool = False,
@@ -145,14 +148,23 @@ def lm_eval(
             the folder's tokenizer, as lm-eval's own ``hf`` model does.
         dtype: Weight dtype of an ``--hf_folder`` (float32, bfloat16, float16); the folder's when None.
         output: JSON file for the results; refused when it exists, unless ``overwrite``.
+        log_samples: Also keep lm-eval's own per-sample log (its ``--log_samples``): each task's
+            ``samples_<task>_<time>.jsonl`` and lm-eval's full results ``<output's name>_<time>.json``, written
+            beside ``output``, which it needs.
+        tokenizer: Tokenizer name or folder to score with, instead of the one the ``--checkpoint`` records (or the
+            ``--hf_folder``'s own).
         trust_remote_code: Run the Python modelling code of an ``--hf_folder`` that is not the one ``moh export-hf``
             writes (read it first: loading runs it). The suite's own file is trusted without this.
         overwrite: Replace an ``output`` file that exists.
     """
     if output:
         check_output_file(output, "--output", overwrite)
+    elif log_samples:
+        raise SystemExit("moh lm-eval: --log_samples true writes the per-sample log beside the results: give "
+                         "--output <file>.json too.")
     import lm_eval as harness
     from lm_eval import evaluator
+    from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
@@ -175,6 +187,8 @@ def lm_eval(
                                    "trust_remote_code": remote_code_trusted(Path(hf_folder), trust_remote_code)}
     if add_bos_token is not None:
         model_args["add_bos_token"] = add_bos_token
+    if tokenizer is not None:
+        model_args["tokenizer"] = tokenizer
     if dtype is not None:
         if checkpoint is not None or dtype not in ("float32", "bfloat16", "float16"):
             raise SystemExit(f"moh lm-eval: --dtype {dtype}: give float32, bfloat16 or float16 with --hf_folder (a "
@@ -182,11 +196,20 @@ def lm_eval(
         model_args["dtype"] = dtype
     # lm-eval records the working folder's git commit by running `git describe`, whose stderr reaches the terminal
     # outside a repository ("fatal: not a git repository"); its lookup runs with that stderr discarded.
+    # lm-eval's own writer of its per-sample log, named after a .json file so that it writes beside it.
+    tracker = EvaluationTracker(output_path=str(Path(output).with_suffix(".json"))) if log_samples else None
     with mock.patch.object(evaluator, "get_git_commit_hash", _without_stderr(evaluator.get_git_commit_hash)):
         results = harness.simple_evaluate(model=model, model_args=model_args, tasks=loaded, num_fewshot=num_fewshot,
                                           batch_size=batch_size, limit=limit, device=device,
-                                          task_manager=task_manager)
+                                          task_manager=task_manager, log_samples=log_samples,
+                                          evaluation_tracker=tracker)
     print(make_table(results))
+    if tracker is not None:
+        samples = results.pop("samples")
+        tracker.save_results_aggregated(results=results, samples=samples)
+        for name in results["configs"]:
+            tracker.save_results_samples(task_name=name, samples=samples[name])
+        print(f"moh lm-eval: per-sample log in {Path(output).parent / f'samples_*_{tracker.date_id}.jsonl'}")
     summary = {"results": results["results"], "config": {"model": model, "device": device, **model_args}}
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
@@ -230,21 +253,13 @@ def load_task(task_manager, name: str) -> list:
 
 
 def offline_unless_hub_answers(timeout: float = 3.0) -> None:
-    """Turns on ``huggingface_hub``'s and ``datasets``' offline mode when the hub does not answer within ``timeout``.
-
-    Unreachable, ``datasets`` retries each hub request with back-off for about half a minute before it fails; in
-    offline mode it reads its cache or fails at once. Both libraries read ``HF_HUB_OFFLINE`` when imported, which
-    lm-eval has done by now, so their own flags are set.
-    """
+    """Turns on ``huggingface_hub``'s and ``datasets``' offline mode when the hub does not answer within ``timeout``
+    (``hub.offline_unless_hub_answers``): unreachable, ``datasets`` too retries each hub request for about half a
+    minute. It reads ``HF_HUB_OFFLINE`` when imported, which lm-eval has done by now, so its own flag is set."""
     import datasets
-    from huggingface_hub import constants, get_session
 
-    if constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
-        return
-    try:
-        get_session().head(constants.ENDPOINT, timeout=timeout)
-    except Exception:  # no answer at all (the HTTP client's connect, timeout and proxy errors); any status is one
-        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    if datasets.config.HF_HUB_OFFLINE or hub_offline(timeout):
+        datasets.config.HF_HUB_OFFLINE = True
 
 
 def _without_stderr(function):

@@ -79,20 +79,35 @@ def test_a_resumed_run_continues_in_its_own_folder_and_a_fresh_one_gets_a_new_on
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
 
 
-def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, capsys):
-    """Raising the token budget (and the loader workers) continues the run; its identity is still guarded."""
+def test_a_run_that_saves_into_a_folder_holding_checkpoints_is_still_warned(run_dir, recwarn):
+    """Lightning's warning stays where it is no intended resume: a fresh run whose checkpoint folder holds files."""
+    corpus = _corpus(run_dir / "corpus", 0)
+    (run_dir / "kept").mkdir()
+    (run_dir / "kept" / "old.ckpt").write_bytes(b"")
+    _fit(corpus, "--model.init_args.max_tokens", "512", "--checkpoint.dirpath", "kept")
+    assert [w for w in recwarn if "Checkpoint directory" in str(w.message) and "exists and is not empty" in
+            str(w.message)]
+
+
+def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, capsys, recwarn):
+    """Raising the token budget (and the loader workers) continues the run, and its one line says what that does to
+    the learning-rate schedule; its identity is still guarded. Lightning's warning that the checkpoint folder "exists
+    and is not empty" is not shown: it holds the checkpoints the run continues."""
     corpus = _corpus(run_dir / "corpus", 0)
     _fit(corpus, "--model.init_args.max_tokens", "2048")
     version = run_dir / "runs" / "llm_stdlib_75" / "version_0"
     first = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert first["tokens_seen"] == 2048
     capsys.readouterr()
+    recwarn.clear()
 
     _fit(corpus, "--model.init_args.max_tokens", "4096", "--data.init_args.num_workers", "1", "--ckpt_path", "last")
 
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moh: continuing")]
     assert len(said) == 1 and "model.init_args.max_tokens 2048 -> 4096" in said[0]
     assert "data.init_args.num_workers 0 -> 1" in said[0] and "new order" in said[0]
+    assert "the learning-rate schedule now spans 16 steps, not 8: lr at step 8 " in said[0]
+    assert not [w for w in recwarn if "exists and is not empty" in str(w.message)]
     assert "max_tokens 2048 -> 4096" in (version / "resumes.log").read_text()
     assert [p.name for p in version.parent.iterdir()] == ["version_0"]
     resumed = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)

@@ -144,3 +144,25 @@ def test_a_hub_task_offline_is_one_line_naming_it_and_include_path(offline, work
                      workspace / "tiny.ckpt")
     assert "'hub_task'" in message and "hub" in message and "--include_path lm_eval_tasks" in message
     assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+
+
+def test_a_tokenizer_given_and_lm_evals_own_per_sample_log(workspace, run_dir):
+    """`--tokenizer` scores a checkpoint whose recorded tokenizer cannot be read (here the export's, the same ids, so
+    the same score), and `--log_samples true` writes lm-eval's own samples_<task>_<time>.jsonl beside `--output`."""
+    raw = torch.load(workspace / "tiny.ckpt", weights_only=False)
+    raw["datamodule_hyper_parameters"]["tokenizer"] = str(run_dir / "gone")
+    torch.save(raw, run_dir / "elsewhere.ckpt")
+    args = ["lm-eval", "--checkpoint", "elsewhere.ckpt", "--include_path", "lm_eval_tasks", "--include_defaults",
+            "false", "--tasks", "[python_basics]"]
+    with pytest.raises(SystemExit, match="gone"):
+        moh(args)
+    moh([*args, "--tokenizer", str(workspace / "hf"), "--output", "given.json", "--log_samples", "true"])
+    moh(["lm-eval", "--checkpoint", str(workspace / "tiny.ckpt"), *args[3:], "--output", "recorded.json"])
+    scores = [json.loads((run_dir / name).read_text())["results"]["python_basics"] for name in ("given.json",
+                                                                                                "recorded.json")]
+    assert scores[0]["acc,none"] == scores[1]["acc,none"]
+    logged = list(run_dir.glob("samples_python_basics_*.jsonl"))
+    assert len(logged) == 1 and len(logged[0].read_text().splitlines()) == 16
+    assert {"doc", "resps", "acc"} <= json.loads(logged[0].read_text().splitlines()[0]).keys()
+    with pytest.raises(SystemExit, match="^moh lm-eval: --log_samples true writes the per-sample log beside"):
+        moh([*args, "--log_samples", "true"])

@@ -216,6 +216,33 @@ def test_a_converted_hybrid_continue_tunes_with_a_budget_per_attention_layer(run
     assert "\n" not in str(stop.value) and "moh.top_k has 2 entries but len(layer_heads)=1" in str(stop.value)
 
 
+
+def test_the_run_folder_records_the_families_own_config_and_its_vocabulary(run_dir):
+    """A continue-tuned tiny Granite (a 320-row embedding, a tokenizer of fewer tokens): the run's config.yaml holds
+    Granite's own config (its multipliers), from which alone the task builds the checkpoint's network, and the logged
+    hyper-parameters (hparams.yaml) and the checkpoint's say the embedding's vocabulary. Once `hf_config: null`, with
+    arch.vocab_size the tokenizer's size."""
+    from hf_families import save_tiny, train_tokenizer
+
+    source = save_tiny("granite", run_dir / "source", embedding_multiplier=3.0, residual_multiplier=0.5)
+    tokens = len(train_tokenizer(source))
+    (run_dir / "my.txt").write_text(TEXT * 20)
+    moh(_fit_args(source, "--trainer.max_steps", "1"))
+    run = run_checkpoints("continue_hf_75").parent
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]
+    assert saved["hf_config"]["model_type"] == "granite" and saved["hf_config"]["vocab_size"] == 320 > tokens
+    assert (saved["hf_config"]["embedding_multiplier"], saved["hf_config"]["residual_multiplier"]) == (3.0, 0.5)
+    rebuilt = LanguageModel(**{**saved, "init_from": None})  # the config alone: no source, no checkpoint
+    rebuilt.configure_model()
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {
+        k: v.shape for k, v in checkpoint["state_dict"].items()}
+    assert rebuilt.model.hf.config.embedding_multiplier == 3.0
+    logged = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert logged["arch"]["vocab_size"] == checkpoint["hyper_parameters"]["arch"]["vocab_size"] == 320
+    assert logged["hf_config"] == checkpoint["hyper_parameters"]["hf_config"] == saved["hf_config"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_continue_tuning_resumes_exactly_and_exports(family, run_dir):
