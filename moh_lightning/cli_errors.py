@@ -1,9 +1,10 @@
-"""jsonargparse's error reports (usage text, nested union and subclass reports) as the one line ``moh`` prints."""
+"""jsonargparse's error reports (usage text, nested union and subclass reports) as the one line ``moh`` prints, and the
+tools' parser that prints them."""
 from __future__ import annotations
 
 import re
 
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
 from moh_lightning.errors import debugging
 
@@ -53,7 +54,18 @@ class OneLineErrors:
 
 
 class OneLineToolParser(OneLineErrors, ArgumentParser):
-    """A tool's parser (``prog`` is ``moh <tool>``), with one-line errors."""
+    """A tool's parser (``prog`` is ``moh <tool>``), with one-line errors and a description in paragraphs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formatter_class=ParagraphsHelpFormatter, **kwargs)
+
+
+class ParagraphsHelpFormatter(DefaultHelpFormatter):
+    """Fills each paragraph of a description on its own, where argparse runs them together into one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(super(ParagraphsHelpFormatter, self)._fill_text(paragraph, width, indent)
+                             for paragraph in text.split("\n\n"))
 
 
 def _restriction(reason: str) -> str:
