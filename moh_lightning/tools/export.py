@@ -81,7 +81,7 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
     written_dtype = next(model.parameters()).dtype
     routed = [h - s for h, s in zip(heads, shared, strict=True)]
     budget = (f"{_one_or_list(shared)} shared + top-{_one_or_list(kept)} of {_one_or_list(routed)} routed heads per "
-              f"layer")
+              f"layer") if not keep_all_heads else f"every head shared, {_one_or_list(shared)} per layer"
     with created_folder(out):
         export_hf_causal(model, out, tokenizer, source=(
             f"Converted by `moh convert-hf` from the transformers {type(model.hf).__name__} `{source}` "

@@ -309,7 +309,7 @@ def test_keep_all_heads_shares_every_head_and_computes_the_source_logits(tmp_pat
     """The README said "with every head kept" without saying how; `--num_shared_heads 8` did it by arithmetic."""
     source = save_family("llama", tmp_path / "source")
     moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "all"), "--keep_all_heads", "true"])
-    assert "8 shared + top-0 of 0 routed heads per layer (100% active)" in capsys.readouterr().out
+    assert "every head shared, 8 per layer (100% active)" in capsys.readouterr().out
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "all", trust_remote_code=True).eval()
     assert (converted.config.moh_num_shared_heads, converted.config.moh_top_k) == (8, 0)
     original = AutoModelForCausalLM.from_pretrained(source).eval()
