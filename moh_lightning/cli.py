@@ -12,6 +12,7 @@ import errno
 import functools
 import getpass
 import importlib
+import inspect
 import logging
 import os
 import re
@@ -75,6 +76,15 @@ COMMANDS: dict[str, Command] = {**LOOPS, **TOOLS}
 def target(command: Command) -> Callable:
     module, _, path = command.target.partition(":")
     return functools.reduce(getattr, path.split("."), importlib.import_module(module))
+
+
+def command_description(function: Callable) -> str:
+    """What ``moh <tool> --help`` says above its options: every paragraph of the docstring before its ``Args:``.
+
+    jsonargparse's own description is the docstring's first line, which cut a first sentence that runs over two.
+    """
+    text = re.split(r"\n(?:Args|Returns|Raises|Examples?):\n", inspect.getdoc(function) or "")[0]
+    return text.replace("``", "`").strip()
 
 
 def commands_help() -> str:
@@ -208,8 +218,9 @@ def _run(command: str, given: list[str], args: list[str] | None, debug: bool) ->
             from moh_lightning.cli_args import resolve_config_args
             from moh_lightning.cli_errors import OneLineToolParser
 
-            CLI(target(TOOLS[command]), args=resolve_config_args(given[1:]), as_positional=False,
-                parser_class=OneLineToolParser, prog=f"moh {command}")
+            function = target(TOOLS[command])
+            CLI(function, args=resolve_config_args(given[1:]), as_positional=False, parser_class=OneLineToolParser,
+                prog=f"moh {command}", description=command_description(function))
         else:
             from moh_lightning.trainer_cli import MoHLightningCLI
 

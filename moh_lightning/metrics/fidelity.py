@@ -34,6 +34,7 @@ from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 from torch_fidelity.utils import create_feature_extractor, extract_featuresdict_from_input_id_cached
 
 from moh_lightning.data.cache import entry_name, file_stats
+from moh_lightning.errors import MissingDataError
 from moh_lightning.serialization import load_file
 
 # ADM's evaluator (guided-diffusion evaluations/evaluator.py) scores IS over consecutive chunks of 5,000 samples.
@@ -152,6 +153,10 @@ def inception_weights_help() -> str:
             f"pass --weights <that file>")
 
 
+class InceptionWeightsMissing(MissingDataError):
+    """torch-fidelity's Inception weights are not on this machine and cannot be downloaded."""
+
+
 def _weights_tag(weights: str | None) -> str:
     """Cache names depend on the Inception weights: a different (e.g. random test) file must not reuse them."""
     if weights is None:
@@ -187,7 +192,7 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     statistics (computed once, then reused; ``reference_cache_name`` makes one that changes with the files); None
     disables caching. ``weights`` is a local torch-fidelity Inception
     weights file (``INCEPTION_FILE``); None takes torch hub's copy, downloading it when there is none
-    (``inception_weights_help``).
+    (``InceptionWeightsMissing`` where that fails, saying where to put the file: ``inception_weights_help``).
     """
     if weights is not None and not Path(weights).is_file():
         raise SystemExit(f"moh fidelity: --weights {weights}: no such file; {inception_weights_help()}.")
@@ -205,8 +210,8 @@ def compute_fidelity(samples: np.ndarray, reference: np.ndarray, reference_name:
     try:
         extractor = create_feature_extractor(SFID_EXTRACTOR, ["2048", "logits_unbiased", SFID_FEATURE], **kwargs)
     except OSError as error:  # urllib's URLError when the download fails, e.g. offline
-        raise SystemExit(f"moh fidelity: cannot download torch-fidelity's Inception weights ({error}); "
-                         f"{inception_weights_help()}.") from None
+        raise InceptionWeightsMissing(f"cannot download torch-fidelity's Inception weights ({error}); "
+                                      f"{inception_weights_help()}") from None
     generated = extract_featuresdict_from_input_id_cached(1, extractor, **kwargs)
     real = extract_featuresdict_from_input_id_cached(2, extractor, **kwargs)
 
@@ -238,6 +243,6 @@ def feature_fidelity(generated: torch.Tensor, real: torch.Tensor) -> dict[str, f
             "precision": float(prc["precision"]), "recall": float(prc["recall"])}
 
 
-__all__ = ["INCEPTION_FILE", "IS_SPLIT_SIZE", "ImageArrayDataset", "SFID_EXTRACTOR", "SFID_FEATURE",
-           "SpatialInceptionV3", "compute_fidelity", "feature_fidelity", "inception_score", "inception_weights_help",
-           "load_images", "reference_cache_name"]
+__all__ = ["INCEPTION_FILE", "IS_SPLIT_SIZE", "ImageArrayDataset", "InceptionWeightsMissing", "SFID_EXTRACTOR",
+           "SFID_FEATURE", "SpatialInceptionV3", "compute_fidelity", "feature_fidelity", "inception_score",
+           "inception_weights_help", "load_images", "reference_cache_name"]

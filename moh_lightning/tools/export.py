@@ -31,16 +31,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None = None,
-               top_k: int | list[int] | None = None, dtype: str | None = None, router_dtype: str = "float32",
-               overwrite: bool = False) -> str:
+               top_k: int | list[int] | None = None, keep_all_heads: bool = False, dtype: str | None = None,
+               router_dtype: str = "float32", overwrite: bool = False) -> str:
     """Converts any ``transformers`` causal LM whose attention goes through transformers' attention interface (Qwen2,
     Qwen3, Mistral, Phi-3, Gemma 2, LLaMA, ...) into a MoH folder with the parameter-free query-norm router.
 
     The first ``num_shared_heads`` heads of every layer are shared and ``top_k`` of the others kept per token, gates
     {0, 1} (paper section 4.4). The folder keeps the family's modelling code, weights and every setting of the source,
     loads with ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` and lm-eval's ``hf`` model, and is
-    a valid ``init_from`` for continue-tuning (``continue_hf_75.yaml``). With every head kept its logits are the
-    source's.
+    a valid ``init_from`` for continue-tuning (``continue_hf_75.yaml``). With every head kept (``--keep_all_heads
+    true``) its logits are the source's.
 
     Args:
         source: The model: a local folder or a hub id.
@@ -52,6 +52,9 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
             (linear attention, state space) stay dense and take no entry.
         top_k: Routed heads kept per token, or one per layer; half of each layer's routed heads (75% active) when
             None.
+        keep_all_heads: Share every head of every layer (``num_shared_heads`` each layer's heads, ``top_k`` 0): the
+            folder computes the source's logits, to check the conversion or to continue-tune from with another
+            budget (``--model.init_args.arch.moh.*``). Takes neither ``num_shared_heads`` nor ``top_k``.
         dtype: Weight dtype of the written model (float32, bfloat16, float16); the source's when None.
         router_dtype: Precision of the query-norm scores: float32, or activation (the authors' code).
         overwrite: Write into an ``out`` that holds files already, replacing those of the same names.
@@ -59,10 +62,14 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
     if dtype is not None and dtype not in DTYPES:
         raise SystemExit(f"moh convert-hf: --dtype {dtype}: choose one of {', '.join(DTYPES)} (or leave it out for "
                          f"the source's).")
+    if keep_all_heads and (num_shared_heads is not None or top_k is not None):
+        raise SystemExit("moh convert-hf: --keep_all_heads true shares every head of every layer; leave out "
+                         "--num_shared_heads and --top_k, or give them without it.")
     check_output_folder(out, "--out", overwrite)
     with one_line_errors("convert-hf"):
         config = read_source_config(source)
         heads = list(query_heads(family_config(config)).values())
+        num_shared_heads = heads if keep_all_heads else num_shared_heads  # default_budget then keeps no routed one
         shared = [default_budget(h, s)[0] for h, s in zip(heads, _per_layer(num_shared_heads, heads,
                                                                             "--num_shared_heads"), strict=True)]
         kept = [default_budget(h, s)[1] if k is None else k
@@ -75,7 +82,7 @@ def convert_hf(source: str, out: str, num_shared_heads: int | list[int] | None =
     written_dtype = next(model.parameters()).dtype
     routed = [h - s for h, s in zip(heads, shared, strict=True)]
     budget = (f"{_one_or_list(shared)} shared + top-{_one_or_list(kept)} of {_one_or_list(routed)} routed heads per "
-              f"layer")
+              f"layer") if not keep_all_heads else f"every head shared, {_one_or_list(shared)} per layer"
     if family_only:
         print(f"moh convert-hf: layers {', '.join(map(str, family_only))} keep {type(model.hf).__name__}'s own "
               f"attention: on four tokens the suite's head-sparse kernels differ from it there (by up to "

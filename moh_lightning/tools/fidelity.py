@@ -12,7 +12,13 @@ from jsonargparse.typing import PositiveInt
 from PIL import Image
 
 from moh_lightning.data.image_transforms import eval_transform
-from moh_lightning.metrics.fidelity import compute_fidelity, feature_fidelity, load_images, reference_cache_name
+from moh_lightning.metrics.fidelity import (
+    InceptionWeightsMissing,
+    compute_fidelity,
+    feature_fidelity,
+    load_images,
+    reference_cache_name,
+)
 from moh_lightning.outputs import check_name, check_output_file
 from moh_lightning.tasks.checkpoints import read_checkpoint
 from moh_lightning.tasks.classification import ImageClassifier
@@ -20,6 +26,9 @@ from moh_lightning.tasks.classification import ImageClassifier
 #: What every result in a classifier's feature space says about itself: in the printed line and the written file.
 NOT_FID = ("not comparable with published FID (Inception-v3 features of ImageNet): only with other scores in the "
            "same classifier's features")
+
+#: The shipped config that trains a classifier for ``--features`` on a folder of one's own images.
+FEATURES_CONFIG = "vit_tiny_folder_digits_75.yaml"
 
 
 def fidelity(
@@ -61,8 +70,15 @@ def fidelity(
         print(f"moh fidelity: Fréchet distance in the features of {features}, {NOT_FID}.")
     else:
         name = cache_name or reference_cache_name(reference)
-        result = compute_fidelity(load_images(samples), load_images(reference, "reference"), name, weights,
-                                  batch_size, device, cache_root, verbose=True)
+        try:
+            result = compute_fidelity(load_images(samples), load_images(reference, "reference"), name, weights,
+                                      batch_size, device, cache_root, verbose=True)
+        except InceptionWeightsMissing as error:
+            raise SystemExit(f"moh fidelity: {error}; or score offline without Inception: --features <the .ckpt of "
+                             f"an image classifier trained on the reference images, e.g. by `moh fit --config "
+                             f"{FEATURES_CONFIG} --data.init_args.data_dir <their folder>`> gives a Fréchet "
+                             f"distance, precision and recall comparable only with scores in that classifier's "
+                             f"features.") from None
     text = json.dumps(result, indent=2, ensure_ascii=False)
     print(text)
     if out:

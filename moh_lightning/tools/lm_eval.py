@@ -3,10 +3,10 @@
 ``MoHLM`` is registered with lm-eval as model type ``moh``: it reuses the harness's ``HFLM`` (request
 batching, loglikelihood / rolling / generate_until logic, tokenisation) and only swaps the network for a
 ``moh fit`` checkpoint, so learned-router models trained from scratch are evaluated exactly like Hugging Face
-ones. Folders written by ``moh convert-llama`` / ``moh export-hf`` go through lm-eval's stock ``hf`` model
-instead (``--hf_folder``). The paper's benchmarks (Tab. 4 / 5) are the default task list; offline, local tasks
-(``--include_path``) are evaluated, such as the shipped example ``cli_configs/lm_eval_tasks/`` (``--include_path
-lm_eval_tasks``).
+ones. Folders written by ``moh convert-hf`` / ``moh export-hf`` / ``moh convert-llama`` go through lm-eval's stock
+``hf`` model instead (``--hf_folder``). The paper's benchmarks (Tab. 4 / 5) are the default task list; offline,
+local tasks (``--include_path``) are evaluated, such as the shipped example ``cli_configs/lm_eval_tasks/``
+(``--include_path lm_eval_tasks``).
 """
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ def lm_eval(
 
     Args:
         checkpoint: A ``moh fit`` LanguageModel ``.ckpt`` (evaluated as lm-eval model type ``moh``).
-        hf_folder: Or a folder from ``moh convert-llama`` / ``moh export-hf`` (lm-eval's ``hf`` model).
+        hf_folder: Or a folder from ``moh convert-hf``, ``moh export-hf`` or ``moh convert-llama`` (lm-eval's ``hf``
+            model).
         tasks: lm-eval task names; the paper's benchmarks when None.
         num_fewshot: Few-shot examples per task; each task's default when None.
         batch_size: Requests per forward pass.

@@ -35,7 +35,8 @@ def sample(
 
     Writes ``out_dir/images/NNNNNN_cC.png`` (``NNNNNN_cC_<name>.png`` where the checkpoint names its classes),
     ``out_dir/samples.npz`` (ADM layout: ``arr_0`` (N, H, W, 3) uint8, ``arr_1`` the labels), ``out_dir/grid.png``
-    (one row per class) and ``out_dir/sample_args.json`` (the settings, and each class sampled with its name).
+    (one row per class) and ``out_dir/sample_args.json`` (the settings, and each class sampled with its name). Files,
+    rows and names follow the order of ``classes`` as given; drawn classes come in label order.
 
     Args:
         checkpoint: Path of a ``.ckpt`` written by ``moh fit`` with a ClassConditionalDiffusion model.
@@ -81,10 +82,11 @@ def sample(
         labels = torch.tensor([indices[i % len(indices)] for i in range(num_samples)])
     else:
         labels = torch.randint(0, task.model.num_classes, (num_samples,), generator=generator)
+    # The classes as asked (each once, in the order given; a class given twice keeps its first place).
+    sampled = list(dict.fromkeys(labels.tolist())) if classes else sorted(set(labels.tolist()))
     with created_folder(out):
         _write_samples(task, labels, out, names, generator, decoder, latent_scale,
-                       dict(cfg_scale=cfg_scale, sampler=sampler, steps=steps), batch_size)
-        sampled = sorted(set(labels.tolist()))
+                       dict(cfg_scale=cfg_scale, sampler=sampler, steps=steps), batch_size, sampled)
         (out / "sample_args.json").write_text(json.dumps(
             dict(checkpoint=str(path), num_samples=num_samples, classes=classes, cfg_scale=cfg_scale,
                  sampler=sampler, steps=steps, seed=seed, vae=vae,
@@ -95,8 +97,10 @@ def sample(
 
 
 def _write_samples(task: ClassConditionalDiffusion, labels: torch.Tensor, out: Path, names: list[str] | None,
-                   generator: torch.Generator, decoder, latent_scale: float, settings: dict, batch_size: int) -> None:
-    """One image per label, sampled with ``settings`` batch by batch: ``out/images/``, ``samples.npz``, ``grid.png``."""
+                   generator: torch.Generator, decoder, latent_scale: float, settings: dict, batch_size: int,
+                   rows: list[int]) -> None:
+    """One image per label, sampled with ``settings`` batch by batch: ``out/images/``, ``samples.npz``, ``grid.png``
+    (a row per class of ``rows``, in that order)."""
     (out / "images").mkdir(exist_ok=True)
     arrays = []
     for start in tqdm(range(0, len(labels), batch_size), desc="batches"):
@@ -110,7 +114,7 @@ def _write_samples(task: ClassConditionalDiffusion, labels: torch.Tensor, out: P
         suffix = f"_{names[label]}" if names else ""
         Image.fromarray(image).save(out / "images" / f"{i:06d}_c{label}{suffix}.png")
     np.savez(out / "samples.npz", arr_0=images, arr_1=labels.numpy())
-    save_class_grid(images, labels.numpy(), out / "grid.png")
+    save_class_grid(images, labels.numpy(), out / "grid.png", rows=rows)
 
 
 def class_index(given: int | str, names: list[str] | None, num_classes: int) -> int:
@@ -130,14 +134,16 @@ def class_index(given: int | str, names: list[str] | None, num_classes: int) -> 
                      f"{', '.join(names)}.")
 
 
-def save_class_grid(images: np.ndarray, labels: np.ndarray, path: Path, per_class: int = 10) -> None:
-    """PNG grid with one row per class present in ``labels`` and up to ``per_class`` samples of it."""
-    rows = []
-    for label in np.unique(labels):
+def save_class_grid(images: np.ndarray, labels: np.ndarray, path: Path, per_class: int = 10,
+                    rows: list[int] | None = None) -> None:
+    """PNG grid with one row per class of ``rows`` (each class in ``labels`` in label order when None), in that order,
+    and up to ``per_class`` samples of it."""
+    grid = []
+    for label in np.unique(labels) if rows is None else rows:
         row = images[labels == label][:per_class]
         row = np.concatenate([row, np.zeros((per_class - len(row), *row.shape[1:]), np.uint8)])
-        rows.append(np.concatenate(list(row), axis=1))
-    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+        grid.append(np.concatenate(list(row), axis=1))
+    Image.fromarray(np.concatenate(grid, axis=0)).save(path)
 
 
 __all__ = ["class_index", "sample", "save_class_grid"]

@@ -86,3 +86,25 @@ def test_an_update_reads_nothing_from_the_device(tmp_path):
         with _Reads() as mode:
             callback._update(module, first=first)
         assert mode.reads == 0
+
+
+def test_a_run_that_does_not_shard_hears_no_sharding_warning(tmp_path, recwarn):
+    """A single-CPU DiT run once warned that WeightAveraging "may run out of memory": Lightning says so of any task
+    with a ``configure_model`` (every task of the suite's), and it is true only where the strategy shards the model."""
+    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
+
+    from moh_lightning.callbacks.ema import shards_the_model
+
+    class Configured(Tiny):
+        def configure_model(self) -> None:
+            pass
+
+    seed_everything(0)
+    trainer = Trainer(max_steps=2, callbacks=[EMAWeightAveraging()], logger=False, default_root_dir=tmp_path,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(Configured())
+    assert not [w for w in recwarn if "may run out of memory" in str(w.message)]
+    with pytest.warns(UserWarning, match="may run out of memory"):  # Lightning's own still says it
+        Trainer(max_steps=1, callbacks=[LightningEMA()], logger=False, default_root_dir=tmp_path,
+                enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(Configured())
+    assert shards_the_model(FSDPStrategy()) and not shards_the_model(SingleDeviceStrategy("cpu"))

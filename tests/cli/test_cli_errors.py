@@ -6,7 +6,7 @@ import pytest
 
 from moh_lightning.cli import main
 from moh_lightning.data.latents import LatentDataModule
-from moh_lightning.metrics.fidelity import compute_fidelity
+from moh_lightning.metrics.fidelity import InceptionWeightsMissing, compute_fidelity
 
 
 def _error(call) -> str:
@@ -26,6 +26,24 @@ def test_bad_config_key_is_one_line_naming_the_key(override, key, run_dir, capsy
     message = _error(lambda: main(["fit", "--config", "vit_tiny_mnist_75.yaml", *override]))
     assert key in message
     assert "usage:" not in capsys.readouterr().err  # no usage text before the line
+
+
+@pytest.mark.parametrize(("config", "flag", "said"), [
+    ("vit_s_75.yaml", "--data.init_args.data_dir", ["train/<class>/ and val/<class>/", "vit_tiny_mnist_75.yaml",
+                                                    "vit_tiny_folder_digits_75.yaml"]),
+    ("dit_b2_75.yaml", "--data.init_args.data_path", ["<class>/ image folders", "dit_mnist_75.yaml",
+                                                      "dit_folder_90.yaml"]),
+])
+def test_a_config_without_its_data_names_the_flag_the_layout_and_a_cpu_sized_run(config, flag, said, run_dir):
+    """`moh fit --config vit_s_75.yaml` without ImageNet once said "config key 'data': the following arguments are
+    required: data_dir"."""
+    message = _error(lambda: main(["fit", "--config", config]))
+    assert message.startswith(f"moh: {flag} is required by ")
+    assert all(text in message for text in said), message
+
+
+def test_a_tool_without_a_required_option_names_the_flag():
+    assert _error(lambda: main(["sample"])) == "moh sample: --checkpoint is required; `moh sample --help` describes it."
 
 
 def test_mistyped_key_in_a_yaml_is_one_line(run_dir):
@@ -62,7 +80,10 @@ def test_inception_weights_unreachable_offline_names_the_weights_option(monkeypa
     monkeypatch.setattr("torch_fidelity.feature_extractor_inceptionv3.load_state_dict_from_url", offline)
     monkeypatch.setenv("TORCH_HOME", "/nonexistent/torch_home")  # no cached copy either
     images = np.zeros((2, 32, 32, 3), np.uint8)
-    message = _error(lambda: compute_fidelity(images, images))
+    with pytest.raises(InceptionWeightsMissing) as missing:  # one line from `moh` (cli.user_error), and the tool's
+        compute_fidelity(images, images)
+    message = str(missing.value)
+    assert "\n" not in message
     assert "--weights" in message and "weights-inception-2015-12-05-6726825d.pth" in message
 
 

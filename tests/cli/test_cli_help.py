@@ -2,13 +2,14 @@
 mistyped command is one line naming the commands and the nearest."""
 import inspect
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
-from moh_lightning.cli import COMMANDS, LOOPS, TOOLS, main, target
+from moh_lightning.cli import COMMANDS, LOOPS, TOOLS, command_description, main, target
 
 
 @pytest.mark.parametrize("args", [["--help"], ["-h"], []])
@@ -63,3 +64,33 @@ def test_a_command_leaves_no_empty_inductor_folder_in_tmpdir(tmp_path):
                            capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert shown.returncode == 0 and "--trainer" in shown.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def _tool_help(name: str, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "1000")  # a paragraph or an option's help a line each: nothing wrapped at a hyphen
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--help"])
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(TOOLS))
+def test_each_tools_help_is_whole_and_names_only_current_commands(name, capsys, monkeypatch):
+    """`moh convert-hf --help` once stopped at "attention interface (Qwen2," (jsonargparse shows a docstring's first
+    line), and `moh lm-eval --help` named convert-llama's folders but not convert-hf's."""
+    shown = _tool_help(name, capsys, monkeypatch)
+    description = shown.split("\n\n", 1)[1].split("\noptions:")[0].strip()
+    paragraphs = [" ".join(paragraph.split()) for paragraph in description.split("\n\n")]
+    written = [" ".join(paragraph.split()) for paragraph in command_description(target(TOOLS[name])).split("\n\n")]
+    assert paragraphs == written  # every paragraph of the docstring before its Args:, in full
+    assert all(paragraph.endswith(".") for paragraph in paragraphs)
+    options = [line.split("  ", 1)[1].strip() for line in shown.split("\noptions:")[1].splitlines()
+               if line.startswith("  --") and "  " in line.strip()]
+    said = [option.rsplit(" (", 1)[0] if "type:" in option else option for option in options]
+    assert said and all(text.endswith((".", ".)")) for text in said), said
+    named = set(re.findall(r"`moh ([a-z][\w-]*)", shown))
+    assert named <= set(COMMANDS), f"names no command: {named - set(COMMANDS)}"
+
+
+def test_lm_eval_help_names_the_folders_of_convert_hf(capsys, monkeypatch):
+    assert "moh convert-hf" in _tool_help("lm-eval", capsys, monkeypatch)

@@ -33,7 +33,7 @@ def test_folder_defaults_stay_the_imagenet_recipe(tmp_path, write_image_folder):
     assert set(dm.hparams) == {"data_dir", "img_size", "batch_size", "num_workers", "auto_augment", "re_prob",
                                "crop_pct", "interpolation", "on_corrupt", "crop_scale", "hflip", "mean", "std",
                                "in_chans", "predict_dir", "device_augment", "val_fraction", "split_seed", "ratio",
-                               "color_jitter"}
+                               "color_jitter", "classes"}
     dm.setup("fit")
     (crop,) = _parts(dm.train_set.transform, RandomResizedCropAndInterpolation)
     assert crop.scale == (0.08, 1.0)
@@ -135,3 +135,25 @@ def test_randaugments_top_posterize_magnitude_blackens_instead_of_failing(tmp_pa
     top.aug_fn = ops[0].aug_fn
     image = Image.new("RGB", (8, 8), (200, 100, 50))
     assert top(image).getextrema() == ((0, 0),) * 3 and posterize(image, 4).getpixel((0, 0)) == (192, 96, 48)
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_classes_number_the_labels_in_the_order_given(tmp_path, flat):
+    """A folder of zero/ ... nine/ numbered alphabetically put the per-class dashboards and sample grids in the order
+    eight, five, four, ...; ``classes`` numbers them as listed, in every split."""
+    words = ["zero", "one", "two"]
+    rng = np.random.default_rng(0)
+    for split in [""] if flat else ["train", "val"]:
+        for word in words:
+            (tmp_path / split / word).mkdir(parents=True)
+            for i in range(4):
+                image = Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8))
+                image.save(tmp_path / split / word / f"{i}.png")
+    data = ImageFolderDataModule(str(tmp_path), img_size=8, num_workers=0, val_fraction=0.5, classes=words)
+    assert data.class_names == words and ImageFolderDataModule(str(tmp_path)).class_names == sorted(words)
+    data.setup("fit")
+    for split in (data.train_set, data.val_set):
+        labelled = {(Path(path).parent.name, label) for path, label in split.samples}
+        assert labelled == {(word, i) for i, word in enumerate(words)}
+    with pytest.raises(ValueError, match=r"data.init_args.classes leaves out two: list every class folder .* once"):
+        ImageFolderDataModule(str(tmp_path), img_size=8, classes=["zero", "one"]).setup("fit")

@@ -56,6 +56,17 @@ def test_a_tool_argument_its_type_rules_out_is_one_line_naming_it(command, name,
     assert f"'{name}'" in message or f"--{name}" in message, message
 
 
+def _required(command: str) -> list[str]:
+    parameters = inspect.signature(target(TOOLS[command])).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.default is inspect.Parameter.empty]
+
+
+@pytest.mark.parametrize("command", [command for command in TOOLS if _required(command)])
+def test_a_tool_without_its_required_options_names_each_flag(command, run_dir, capsys):
+    message = _refused([command], run_dir, capsys)
+    assert all(f"--{name}" in message for name in _required(command)) and f"moh {command} --help" in message, message
+
+
 def _checkpoint_arguments() -> list:
     return [pytest.param(command, name, id=f"{command}-{name}") for command in TOOLS
             for name in inspect.signature(target(TOOLS[command])).parameters if name in ("checkpoint", "ckpt_path")]

@@ -80,3 +80,23 @@ def test_features_refuse_another_task(tmp_path):
     with pytest.raises(SystemExit, match="ClassConditionalDiffusion checkpoint.*ImageClassifier"):
         main(["fidelity", "--samples", str(tmp_path / "s.npz"), "--reference", str(tmp_path / "s.npz"),
               "--features", str(checkpoint)])
+
+
+def test_offline_without_inception_weights_names_features(tmp_path, monkeypatch):
+    """Offline and without the Inception file, the line says where to put it and names the score that needs none."""
+    import urllib.error
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached weights
+    monkeypatch.setattr(torch.hub, "urlopen", offline)
+    np.savez(tmp_path / "samples.npz", arr_0=np.zeros((4, 16, 16, 3), np.uint8))
+    with pytest.raises(SystemExit) as stop:
+        main(["fidelity", "--samples", str(tmp_path / "samples.npz"), "--reference", str(tmp_path / "samples.npz"),
+              "--cache_root", str(tmp_path / "cache")])
+    line = str(stop.value.code)
+    assert "\n" not in line and line.startswith("moh fidelity: cannot download torch-fidelity's Inception weights")
+    assert "--weights <that file>" in line
+    assert "or score offline without Inception: --features <the .ckpt of an image classifier" in line
+    assert "moh fit --config vit_tiny_folder_digits_75.yaml" in line

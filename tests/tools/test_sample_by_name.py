@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_checkpoints
@@ -53,8 +54,9 @@ def test_sample_by_name_writes_named_files(dit_checkpoint, tmp_path, capsys):
     assert sorted(path.name for path in (out / "images").iterdir()) == [
         f"000000_c{zero}_zero.png", f"000001_c{seven}_seven.png", f"000002_c{zero}_zero.png"]
     args = json.loads((out / "sample_args.json").read_text())
-    assert args["classes"] == ["zero", "seven"] and args["class_names"] == {str(seven): "seven", str(zero): "zero"}
-    assert "samples of seven, zero" in capsys.readouterr().out
+    assert args["classes"] == ["zero", "seven"]
+    assert list(args["class_names"].items()) == [(str(zero), "zero"), (str(seven), "seven")]  # in the order asked
+    assert "samples of zero, seven" in capsys.readouterr().out
     main(["sample", "--checkpoint", str(dit_checkpoint), "--out_dir", str(tmp_path / "by_number"), "--num_samples",
           "1", "--classes", f"[{seven}]", "--steps", "2", "--sampler", "ddim"])
     assert [path.name for path in (tmp_path / "by_number" / "images").iterdir()] == [f"000000_c{seven}_seven.png"]
@@ -68,3 +70,18 @@ def test_vit_folder_config_trains_on_a_flat_folder(tmp_path, monkeypatch):
     write_digits_folder(tmp_path / "digits", size=32, flat=True)
     main(["fit", "--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", "digits",
           "--trainer.fast_dev_run", "1"])
+
+
+def test_the_grid_has_a_row_per_class_in_the_order_asked(tmp_path):
+    """`moh sample --classes "[zero, one, ..., nine]"` once drew its rows in label order: eight, five, four, ..."""
+    from PIL import Image
+
+    from moh_lightning.tools.sample import save_class_grid
+
+    labels = np.array([9, 1, 4, 9, 1, 4])  # e.g. zero, one, two as numbered by their sorted folder names
+    images = np.stack([np.full((2, 2, 3), label * 20, np.uint8) for label in labels])
+    save_class_grid(images, labels, tmp_path / "grid.png", per_class=2, rows=[9, 1, 4])
+    grid = np.asarray(Image.open(tmp_path / "grid.png"))
+    assert [int(grid[row * 2, 0, 0]) for row in range(3)] == [180, 20, 80]
+    save_class_grid(images, labels, tmp_path / "drawn.png", per_class=2)  # drawn classes: label order
+    assert [int(np.asarray(Image.open(tmp_path / "drawn.png"))[row * 2, 0, 0]) for row in range(3)] == [20, 80, 180]

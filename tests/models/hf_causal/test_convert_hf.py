@@ -303,3 +303,18 @@ def test_the_suites_loads_of_a_converted_folder_warn_of_no_other_model_type(tmp_
         transformers_log.removeHandler(handler)
     said = [record.getMessage() for record in records] + [str(warning.message) for warning in caught]
     assert [line for line in said if "to instantiate a model of type" in line] == []
+
+
+def test_keep_all_heads_shares_every_head_and_computes_the_source_logits(tmp_path, capsys):
+    """The README said "with every head kept" without saying how; `--num_shared_heads 8` did it by arithmetic."""
+    source = save_family("llama", tmp_path / "source")
+    moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "all"), "--keep_all_heads", "true"])
+    assert "every head shared, 8 per layer (100% active)" in capsys.readouterr().out
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "all", trust_remote_code=True).eval()
+    assert (converted.config.moh_num_shared_heads, converted.config.moh_top_k) == (8, 0)
+    original = AutoModelForCausalLM.from_pretrained(source).eval()
+    assert torch.equal(_logits(converted, _ids()), _logits(original, _ids()))
+    with pytest.raises(SystemExit, match="--keep_all_heads true shares every head of every layer; leave out "):
+        moh(["convert-hf", "--source", str(source), "--out", str(tmp_path / "x"), "--keep_all_heads", "true",
+             "--top_k", "2"])
+    assert not (tmp_path / "x").exists()
