@@ -47,6 +47,7 @@ from moh_lightning.runs import (
     latest_loadable_checkpoint,
     logger_runs,
     logs_in_folders,
+    name_for_budget,
     next_version,
     record_changes,
     run_root,
@@ -180,6 +181,8 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.run_name:
+            self.run_name = name_for_budget(self.run_name, config.get("model"), typed_model_keys(self.given_args))
         logger = config.trainer.get("logger")
         init_args = getattr(logger, "init_args", None)
         if init_args is not None and "name" in init_args and init_args.name is None:
