@@ -88,7 +88,7 @@ def test_each_routed_head_has_its_own_colour_and_legend_entry_in_the_load_over_t
     image = events.Images("head_load/over_time_layer_00")[-1]
     card = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")).astype(int)
     height, width, _ = card.shape
-    assert width / height > 1.6 and width >= 800  # wide, as the heatmap cards, to stay readable at card size
+    assert width / height > 1.6 and width >= 560  # wide, as the heatmap cards, to stay readable at card size
     legend = card[:, int(0.8 * width):]  # right of the plot
     for head in range(len(ROUTED_HEADS)):
         colour = np.asarray(colormaps["tab10"](head)[:3]) * 255

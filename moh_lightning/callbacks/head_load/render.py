@@ -300,36 +300,39 @@ def over_time_card(history: list[tuple[int, dict[int, list[float]]]], layer: Lay
     steps = [step for step, _ in points]
     values = 100 * np.asarray([loads for _, loads in points], dtype=float)
     heads = values.shape[1]
-    rows = min(heads + 1, 9)                        # legend entries per column: the heads, then the even line
+    rows = min(heads + 1, 7)                        # legend entries per column: the heads, then the even line
     columns = math.ceil((heads + 1) / rows)
-    legend_w = 130 * columns
-    width, height, left, top, bottom = 820 + legend_w, 440, 86, 100, 64
+    legend_w = 120 * columns
+    width = 600 + legend_w                          # as wide as a heatmap card, so its type reads alike
+    legend = _wrap(f"% of tokens · top-{layer.top_k} of {layer.routed}: even = {_format_load(layer.balanced)} "
+                   f"(dashed) · step {steps[-1]}", 22, width - 28)
+    left, top, bottom = 76, 56 + 29 * len(legend) + 14, 60
+    height = top + 270 + bottom
     figure = Figure(figsize=(width / 72, height / 72), dpi=72)
     FigureCanvasAgg(figure)
-    axis = figure.add_axes((left / width, bottom / height, (width - left - legend_w - 24) / width,
+    axis = figure.add_axes((left / width, bottom / height, (width - left - legend_w - 16) / width,
                             (height - top - bottom) / height))
     palette = colormaps["tab10" if heads <= 10 else "tab20"]
     marker = "o" if len(steps) < 3 else None       # a line needs two windows; a first window shows as points
     for head in range(heads):
-        axis.plot(steps, values[:, head], color=palette(head % palette.N), linewidth=3, marker=marker,
-                  markersize=8, label=f"h{layer.shared + head}")
-    axis.axhline(100 * layer.balanced, color="black", linestyle=(0, (5, 3)), linewidth=2.5,
-                 label=f"even {_format_load(layer.balanced)}")
+        axis.plot(steps, values[:, head], color=palette(head % palette.N), linewidth=3.5, marker=marker,
+                  markersize=9, label=f"h{layer.shared + head}")
+    axis.axhline(100 * layer.balanced, color="black", linestyle=(0, (4, 2)), linewidth=3,
+                 label="even")
     axis.set_ylim(0, 102)
-    axis.set_yticks([0, 25, 50, 75, 100])
-    axis.tick_params(labelsize=20, length=4)
-    axis.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+    axis.set_yticks([0, 50, 100])
+    axis.tick_params(labelsize=24, length=4)
+    axis.xaxis.set_major_locator(MaxNLocator(4, integer=True))
     axis.grid(alpha=0.3)
     for side in ("top", "right"):
         axis.spines[side].set_visible(False)
-    axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=columns, fontsize=20, frameon=False,
-                handlelength=1.2, borderaxespad=0, columnspacing=0.8)
-    figure.text(14 / width, 1 - 10 / height, f"L{layer.index} · routed-head load over training", fontsize=30,
-                weight="bold", va="top")
-    figure.text(14 / width, 1 - 54 / height, f"% of tokens per head · top-{layer.top_k} of {layer.routed}: even = "
-                f"{_format_load(layer.balanced)} (dashed) · step {steps[-1]}", fontsize=22, color=_NOTE_COLOUR,
-                va="top")
-    figure.text(left / width, 8 / height, "step", fontsize=22, color=_NOTE_COLOUR, va="bottom")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1.04), ncol=columns, fontsize=24, frameon=False,
+                handlelength=1.0, handletextpad=0.4, borderaxespad=0, columnspacing=0.6, labelspacing=0.25)
+    figure.text(14 / width, 1 - 10 / height, _fit(f"L{layer.index} · head load over training", 30, width - 28,
+                                                   bold=True), fontsize=30, weight="bold", va="top")
+    for i, line in enumerate(legend):
+        figure.text(14 / width, 1 - (54 + 29 * i) / height, line, fontsize=22, color=_NOTE_COLOUR, va="top")
+    figure.text(14 / width, 8 / height, "step", fontsize=22, color=_NOTE_COLOUR, va="bottom")
     return figure_rgb(figure)
 
 
