@@ -5,7 +5,7 @@ ViT's dense baseline, scores the ViT's last checkpoint with ``moh validate``, st
 and on all of them together, and screenshots its tabs with Debian's ``chromium`` into
 ``results/dashboards/<task>_<view>.png``:
 
-    OMP_NUM_THREADS=1 .venv/bin/python results/dashboards/render.py                 # ~6 minutes on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python results/dashboards/render.py                 # ~25 minutes on 2 cores
     .venv/bin/python results/dashboards/render.py --workdir /tmp/moh_dash --reuse   # screenshots of existing runs
 
 Needs ``apt-get install -y chromium``. The runs land in ``--workdir`` (a temporary folder by default), not here.
