@@ -122,6 +122,11 @@ def logging_step(trainer: Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def set_logging_step(trainer: Trainer, step: int) -> None:
+    """Makes Lightning log what follows at ``step``: an evaluation of a checkpoint at the step it was saved at."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step
+
+
 def logs_this_step(trainer: Trainer) -> bool:
     """Whether Lightning hands the loggers this training step's metrics (every ``log_every_n_steps`` steps, and at a
     stop): the steps at which a callback may read the device without making the host wait on it more often."""

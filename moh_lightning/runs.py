@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import time
+import typing
 import warnings
 from collections.abc import Collection
 from pathlib import Path
@@ -289,6 +290,32 @@ def check_run_names(logger) -> None:
                 check_name(one.init_args.get(key), f"--trainer.logger.init_args.{key}")
 
 
+BUDGET_KEYS = ("arch.moh", "arch.moh.num_shared_heads", "arch.moh.top_k")  # the command-line keys that set it
+_BUDGET_SUFFIX = re.compile(r"_(\d+|dense)$")  # the configs' names end in the % of heads a token uses
+
+
+def name_for_budget(name: str, model, typed: Collection[str]) -> str:
+    """The default run name when the command line sets the head budget (``--model.init_args.arch.moh null``,
+    ``...moh.top_k 2``): the config's name with its budget suffix replaced by the one used, ``_dense`` for plain
+    multi-head attention and else the % of heads a token uses (``vit_tiny_mnist_75`` at top-2 of 6: ``_50``).
+
+    A MoH run and its dense baseline are then two runs side by side, not versions of one name; the same command
+    finds the same name again for ``--ckpt_path last``. ``model`` is the parsed config's ``model``.
+    """
+    arch = model.init_args.get("arch") if model is not None and model.get("init_args") is not None else None
+    if arch is None or not any(key in BUDGET_KEYS for key in typed):
+        return name
+    if arch.get("moh") is None:
+        budget = "dense"
+    else:
+        try:
+            arch_type = typing.get_type_hints(_class(model.class_path).__init__)["arch"]
+            budget = f"{100 * arch_type(**arch.as_dict()).activated_fraction:.0f}"
+        except (AttributeError, KeyError, NameError, TypeError, ValueError):
+            return name  # a budget the model cannot take: building it says so, in its own words
+    return f"{_BUDGET_SUFFIX.sub('', name)}_{budget}"
+
+
 def run_root(logger, default_name: str) -> Path:
     """The folder of one run name's ``version_N`` folders: ``<save_dir>/<name>`` for TensorBoard and CSV, else
     ``runs/<name>`` with the logger's own run-name option (MLflow's ``run_name``, W&B's ``name``) or the config's;
@@ -354,7 +381,7 @@ def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] 
             args.id = run["run_id"]
 
 
-__all__ = ["CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "check_run_names",
+__all__ = ["BUDGET_KEYS", "CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "check_run_names",
            "checkpoint_problem", "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs",
-           "logs_in_folders", "next_version", "read_kept_tokenizer", "record_changes", "resolve_source_paths",
-           "run_root", "use_run_folder", "versions"]
+           "logs_in_folders", "name_for_budget", "next_version", "read_kept_tokenizer", "record_changes",
+           "resolve_source_paths", "run_root", "use_run_folder", "versions"]

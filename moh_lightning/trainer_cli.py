@@ -48,6 +48,7 @@ from moh_lightning.runs import (
     latest_loadable_checkpoint,
     logger_runs,
     logs_in_folders,
+    name_for_budget,
     next_version,
     read_kept_tokenizer,
     record_changes,
@@ -184,17 +185,19 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        logger = config.trainer.get("logger")
-        init_args = getattr(logger, "init_args", None)
-        if init_args is not None and "name" in init_args and init_args.name is None:
-            init_args.name = self.run_name or "default"
-        check_run_names(logger)
         # Before `last` is compared with the run it would continue, whose config.yaml holds the source's network.
         tokenizer_of_init_from(config)
         if not self.checkpoint_hparams:  # a run from a checkpoint has the network saved with it
             network_of_init_from(config, self._named_model_keys)
         if self.subcommand == "fit":
             resolve_source_paths(getattr(config.get("data"), "init_args", None))
+        if self.run_name:  # once the network is whole, a continue-tuned one's heads included
+            self.run_name = name_for_budget(self.run_name, config.get("model"), typed_model_keys(self.given_args))
+        logger = config.trainer.get("logger")
+        init_args = getattr(logger, "init_args", None)
+        if init_args is not None and "name" in init_args and init_args.name is None:
+            init_args.name = self.run_name or "default"
+        check_run_names(logger)
         if self.subcommand and config.get("ckpt_path") == "last" and init_args is not None:
             self._resume_last(config, init_args)
         if self.subcommand in EVALUATIONS and init_args is not None:

@@ -29,7 +29,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+
+from moh_lightning import lightning_compat as compat
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +248,8 @@ class LoggerRuns(Callback):
     Every checkpoint holds ``logger_runs``: each logger's kind and run (``identity``), which ``moh fit --ckpt_path
     last`` reads to log into the same MLflow or W&B run again. Every logger then skips what an earlier part of the
     run logged (see the module's docstring); an MLflow run stopped by the interruption (``FAILED``) is running again
-    while it continues, and keeps its params' first values.
+    while it continues, and keeps its params' first values. An evaluation of a checkpoint is logged at the step the
+    checkpoint was saved at.
     """
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -262,6 +266,13 @@ class LoggerRuns(Callback):
                 _keep_first_params(logger)
                 if logger.experiment.get_run(logger.run_id).info.status != "RUNNING":
                     logger.experiment.update_run(logger.run_id, status="RUNNING")
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores the trainer's step only to continue a fit, so `moh validate` / `moh test` of a step-176
+        # checkpoint would log its metrics at step 0; they belong at the step of the weights they scored, as the
+        # fit's own validations are.
+        if trainer.state.fn != TrainerFn.FITTING and "global_step" in checkpoint:
+            compat.set_logging_step(trainer, int(checkpoint["global_step"]))
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.is_global_zero:

@@ -1,10 +1,11 @@
 """Renders the head-load dashboards of the three tasks in a real TensorBoard and a real (headless) browser.
 
-Trains a short run of each task (MNIST ViT, MNIST DiT, a two-source language model on standard-library code), starts
-``tensorboard`` on each run folder and on all three together, and screenshots its tabs with Debian's ``chromium``
-into ``results/dashboards/<task>_<view>.png``:
+Trains a short run of each task (MNIST ViT, MNIST DiT, a two-source language model on standard-library code) and the
+ViT's dense baseline, scores the ViT's last checkpoint with ``moh validate``, starts ``tensorboard`` on each run folder
+and on all of them together, and screenshots its tabs with Debian's ``chromium`` into
+``results/dashboards/<task>_<view>.png``:
 
-    OMP_NUM_THREADS=1 .venv/bin/python results/dashboards/render.py                 # ~6 minutes on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python results/dashboards/render.py                 # ~25 minutes on 2 cores
     .venv/bin/python results/dashboards/render.py --workdir /tmp/moh_dash --reuse   # screenshots of existing runs
 
 Needs ``apt-get install -y chromium``. The runs land in ``--workdir`` (a temporary folder by default), not here.
@@ -38,21 +39,27 @@ def _lm_args() -> list[str]:
             "--trainer.val_check_interval", "12", "--head_load.log_every_n_steps", "4"]
 
 
-# task -> (config, extra arguments): each a minute or two on two CPU cores.
+# task -> (config, run name, extra arguments): each a minute or two on two CPU cores.
 RUNS = {
-    "vit": ("vit_tiny_mnist_75", ["--trainer.max_epochs", "2"]),
+    "vit": ("vit_tiny_mnist_75", "vit_tiny_mnist_75", ["--trainer.max_epochs", "2"]),
+    # The same config with plain multi-head attention: its run is named for it, beside the MoH run in HParams.
+    "vit_dense": ("vit_tiny_mnist_75", "vit_tiny_mnist_dense",
+                  ["--trainer.max_epochs", "2", "--model.init_args.arch.moh", "null"]),
     # Past the EMA's start (step 400): validation runs with the EMA weights, which before that are the initial ones.
-    "dit": ("dit_mnist_90", ["--trainer.max_steps", "600", "--trainer.val_check_interval", "300"]),
-    "lm": ("llm_stdlib_75", _lm_args()),
+    "dit": ("dit_mnist_90", "dit_mnist_90", ["--trainer.max_steps", "600", "--trainer.val_check_interval", "300"]),
+    "lm": ("llm_stdlib_75", "llm_stdlib_75", _lm_args()),
 }
+SCREENSHOTS = ("vit", "dit", "lm")  # the dense baseline shows in the HParams table
 
 # The cards `moh fit`'s closing link pins (train/loss and the metric its best checkpoint is chosen by; none for DiT).
 PINNED = {"vit": ["train/loss", "val/acc1"], "lm": ["train/loss", "val/loss"]}
 # view -> (URL fragment, window height): TensorBoard's own tabs, each at its default settings.
 VIEWS = {
     "timeseries": ("#timeseries", 2400),
-    "images": ("#images", 2000),
+    "images": ("#images", 2400),
     "custom_scalars": ("#custom_scalars", 1800),
+    "histograms": ("#histograms", 1800),
+    "distributions": ("#distributions", 1800),
     "text": ("#text", 1800),
 }
 
@@ -63,19 +70,28 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def train(workdir: Path, task: str) -> Path:
-    config, extra = RUNS[task]
+def _moh(workdir: Path, *args: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [MOH, "fit", "--config", f"{config}.yaml", "--trainer.enable_progress_bar", "false", *extra]
+    command = [MOH, *args, "--trainer.enable_progress_bar", "false"]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, cwd=workdir, env=env, check=True, stdout=subprocess.DEVNULL)
-    return newest_run(workdir, config)
 
 
-def newest_run(workdir: Path, config: str) -> Path:
-    versions = sorted((workdir / "runs" / config).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+def train(workdir: Path, task: str) -> Path:
+    config, name, extra = RUNS[task]
+    _moh(workdir, "fit", "--config", f"{config}.yaml", *extra)
+    return newest_run(workdir, name)
+
+
+def evaluate(run: Path) -> None:
+    """``moh validate`` of the run's last checkpoint: logged into ``<run>/eval/``, at the checkpoint's step."""
+    _moh(run.parent.parent.parent, "validate", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"))
+
+
+def newest_run(workdir: Path, name: str) -> Path:
+    versions = sorted((workdir / "runs" / name).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     if not versions:
-        raise SystemExit(f"no run of {config} under {workdir}/runs; run without --reuse")
+        raise SystemExit(f"no run named {name} under {workdir}/runs; run without --reuse")
     return versions[-1]
 
 
@@ -130,18 +146,24 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="screenshot the newest runs already in --workdir")
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--tasks", nargs="*", default=list(RUNS))
+    parser.add_argument("--views", nargs="*", default=list(VIEWS))
     args = parser.parse_args()
     if shutil.which("chromium") is None:
         raise SystemExit("chromium not found: apt-get install -y chromium")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="moh_dashboards_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    runs = {task: newest_run(workdir, RUNS[task][0]) if args.reuse else train(workdir, task) for task in args.tasks}
+    runs = {task: newest_run(workdir, RUNS[task][1]) if args.reuse else train(workdir, task) for task in args.tasks}
+    if "vit" in runs and not args.reuse:
+        evaluate(runs["vit"])
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="moh_chromium_") as profile:
         for task, run in runs.items():
+            if task not in SCREENSHOTS:
+                continue
             with TensorBoard(run) as board:
                 board.wait_for_images()
-                for view, (fragment, height) in VIEWS.items():
+                for view in args.views:
+                    fragment, height = VIEWS[view]
                     screenshot(board.url + "/" + fragment, args.out / f"{task}_{view}.png", height, Path(profile))
                 if task in PINNED:
                     screenshot(time_series_link(PINNED[task], board.url + "/"),

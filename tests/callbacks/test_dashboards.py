@@ -62,6 +62,9 @@ class TinyTask(MoHTask):
             self.last_timesteps = torch.randint(0, 1000, (len(batch[0]),))
         self.log("val/loss", self.model(batch[0]).pow(2).mean())
 
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", self.model(batch[0]).pow(2).mean())
+
     def _loader(self):
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(32, 5, 16, generator=generator)
@@ -73,6 +76,9 @@ class TinyTask(MoHTask):
         return self._loader()
 
     def val_dataloader(self):
+        return self._loader()
+
+    def test_dataloader(self):
         return self._loader()
 
     def configure_optimizers(self):
@@ -129,17 +135,19 @@ def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(t
     assert "4 shared heads (no routed heads)" in summary and "No routed head fell under 1%" in summary
 
 
-@pytest.mark.parametrize(("every", "drawn"), [(None, [2]), (2, [2, 6])])
+@pytest.mark.parametrize(("every", "drawn"), [(None, [2, 6]), (2, [2, 6]), (1, [2, 4, 6])])
 def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path, every, drawn):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer = _fit(TinyTask(), logger, tmp_path, **({} if every is None else {"images_every_n_windows": every}))
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = events.Tags()
     assert {"head_load/heatmap_train", "head_load/heatmap_val", "head_load/per_class_layer_00"} <= set(tags["images"])
-    # Windows end at steps 2, 4 and 6; the first window and every n-th after it are drawn (by default the 10th).
+    # Windows end at steps 2, 4 and 6; the first window and every n-th after it are drawn (by default the 10th), and
+    # the last one when training ends.
     assert [image.step for image in events.Images("head_load/heatmap_train")] == drawn
+    assert [image.step for image in events.Images("head_load/over_time_layer_00")] == drawn
+    assert "head_load/over_time_layer_01" not in tags["images"]  # layer 1 routes nothing
     assert len(events.Images("head_load/heatmap_val")) == 2
-    assert not tags["histograms"] and not tags["distributions"]
     assert "head_load_balance/final_load_entropy" in tags["scalars"]
     assert "head_load/summary/text_summary" in tags["tensors"]
     # Ours is the run's first HParams record (Lightning writes its hp_metric record after on_fit_start).

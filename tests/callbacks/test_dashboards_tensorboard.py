@@ -91,7 +91,7 @@ def test_real_tensorboard_serves_heatmaps_layout_summary_and_hparams_with_metric
         # Heatmap images: every window, every validation, and one per-class view per routed layer.
         tags = board.get("/data/plugin/images/tags")[RUN]
         expected = {"head_load/heatmap_train", "head_load/heatmap_val"} | {
-            f"head_load/per_class_layer_{layer:02d}" for layer in range(6)}
+            f"head_load/{view}_layer_{layer:02d}" for layer in range(6) for view in ("per_class", "over_time")}
         assert expected <= set(tags)
         assert tags["head_load/heatmap_train"]["samples"] == 1
         for tag in ("head_load/heatmap_val", "head_load/per_class_layer_05"):
@@ -100,7 +100,11 @@ def test_real_tensorboard_serves_heatmaps_layout_summary_and_hparams_with_metric
             png = board.raw(f"/data/plugin/images/individualImage?{entries[-1]['query']}")
             width, height = Image.open(io.BytesIO(png)).size
             assert width >= 560 and width / height > 1.4, (tag, width, height)
-        assert not any(tag.startswith("head_load") for tag in board.get("/data/plugin/histograms/tags").get(RUN, {}))
+        # Histograms and Distributions: each routed layer's load ÷ even load, every window.
+        histograms = board.get("/data/plugin/histograms/tags")[RUN]
+        assert set(histograms) == {f"head_load_vs_even/layer_{layer:02d}" for layer in range(6)}
+        entries = board.get(f"/data/plugin/histograms/histograms?{_query(run=RUN, tag='head_load_vs_even/layer_03')}")
+        assert [entry[1] for entry in entries] == [2, 4]
 
         # Custom scalars: one chart per layer whose regex draws one line per routed head.
         layout = board.get("/data/plugin/custom_scalars/layout")

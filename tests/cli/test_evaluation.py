@@ -116,7 +116,7 @@ def test_a_checkpoint_of_other_shapes_stops_in_one_line_and_another_budget_is_sa
           "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar",
           "false", "--data.init_args.img_size", "16", "--model.init_args.arch.patch_size", "4",
           "--model.init_args.arch.moh.top_k", "2"])
-    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
+    run = run_dir / "runs/vit_tiny_folder_digits_50/version_0"  # named for the budget typed: 50% of the heads
     checkpoint = str(run / "checkpoints/last.ckpt")
     evaluate = ["--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--ckpt_path", checkpoint,
                 "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"]

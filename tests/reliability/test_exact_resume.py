@@ -278,7 +278,7 @@ def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
     with pytest.raises(Exception, match="terminated with signal SIGKILL"):
         _fit(folder, "--trainer.callbacks+=test_exact_resume.KillAtStep", "--trainer.callbacks.step=5", base=DDP_DIT)
     _fit(folder, "--ckpt_path", "last", base=DDP_DIT)
-    _assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_90")
+    _assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_75")
 
 
 # SIGTERM
@@ -437,7 +437,7 @@ def dit_uninterrupted(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("how", ["crash", "max_steps"])
 def test_dit_resumed_mid_epoch_reaches_the_same_weights_ema_and_losses(how, dit_uninterrupted, tmp_path):
     resumed = _stop_and_resume(tmp_path, how, DIT, [EMA])
-    expected, actual = _last(dit_uninterrupted, "dit_mnist_90"), _last(tmp_path, "dit_mnist_90")
+    expected, actual = _last(dit_uninterrupted, "dit_mnist_75"), _last(tmp_path, "dit_mnist_75")
     assert expected["global_step"] == actual["global_step"] == STEPS
     # EMAWeightAveraging writes the average as state_dict, the training weights as current_model_state and the
     # averaging count in averaging_state: all three continue exactly.
@@ -448,8 +448,8 @@ def test_dit_resumed_mid_epoch_reaches_the_same_weights_ema_and_losses(how, dit_
                            actual["current_model_state"]["model.final_layer.linear.weight"])
     ema = next(c for c in resumed.trainer.callbacks if isinstance(c, EMAWeightAveraging))
     _assert_same_tensors(expected["state_dict"], ema._average_model.module.state_dict())
-    losses = _logged(dit_uninterrupted / "runs" / "dit_mnist_90")
-    assert len(losses) == STEPS + 4 and _logged(tmp_path / "runs" / "dit_mnist_90") == losses
+    losses = _logged(dit_uninterrupted / "runs" / "dit_mnist_75")
+    assert len(losses) == STEPS + 4 and _logged(tmp_path / "runs" / "dit_mnist_75") == losses
 
 
 def _write_corpus(folder: Path) -> Path:

@@ -113,9 +113,11 @@ def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, caps
     resumed = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["tokens_seen"] == 4096 and resumed["global_step"] == 2 * first["global_step"]
 
-    with pytest.raises(SystemExit) as stop:  # another head budget is another experiment
+    # Another head budget is another experiment: by default a run of its own name (llm_stdlib_62), and under the
+    # same name, refused.
+    with pytest.raises(SystemExit) as stop:
         _fit(corpus, "--model.init_args.max_tokens", "8192", "--model.init_args.arch.moh.top_k", "1",
-             "--ckpt_path", "last")
+             "--trainer.logger.init_args.name", "llm_stdlib_75", "--ckpt_path", "last")
     assert "model.init_args.arch.moh.top_k" in str(stop.value) and "max_tokens" not in str(stop.value)
 
 

@@ -6,16 +6,26 @@ adapter what happened. What is logged is listed in the package's docstring.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 
-from moh_lightning.callbacks.head_load.counting import HeadLoadCounter
+from moh_lightning import lightning_compat as compat
+from moh_lightning.callbacks.head_load.counting import HeadLoadCounter, layer_name
 from moh_lightning.callbacks.head_load.loads import SUMMARY_FILE, mean_load_entropy
-from moh_lightning.callbacks.head_load.loggers import adapter
-from moh_lightning.callbacks.head_load.render import figure_rgb, group_card, layer_card, loads_over_time, save_png
+from moh_lightning.callbacks.head_load.loggers import LoggerAdapter, adapter
+from moh_lightning.callbacks.head_load.render import (
+    figure_rgb,
+    group_card,
+    layer_card,
+    loads_over_time,
+    over_time_card,
+    save_png,
+)
 from moh_lightning.callbacks.head_load.summary import hparam_metrics, run_hparams, summary_markdown
 from moh_lightning.callbacks.logger_runs import logged_earlier, record_logged, run_folder
 from moh_lightning.tasks.base import MoHTask
@@ -35,9 +45,11 @@ class HeadLoadCallback(Callback):
             on, and the summary lists it.
         timestep_buckets: Buckets of diffusion timesteps for the ``per_timestep`` heatmaps (tasks that expose
             ``last_timesteps``); 0 switches them off.
-        images_every_n_windows: Log the training heatmap every this many logging windows, the first window
-            included (1 = every window). Drawing a card takes ~0.1 s of host time (matplotlib), which every window
-            of a small model's CPU run would add to its step time: the per-head scalars come every window.
+        images_every_n_windows: Log the training heatmap and each routed layer's load-over-time card every this
+            many logging windows, the first window included (1 = every window), and the last window's (the steps
+            since the last full window close it) when training ends. Drawing a card takes ~0.1 s of host time
+            (matplotlib), which every window of a small model's CPU run would add to its step time: the per-head
+            scalars and histograms come every window.
         images_every_n_validations: Draw the validation heatmaps (layers and each routed layer's groups: a card
             each) every this many validations of a fit, the first included, and the last one at the end of
             training; ``loads.json`` is written at every validation. Seven cards took 4x the MNIST default's whole
@@ -75,6 +87,7 @@ class HeadLoadCallback(Callback):
         self._metrics: tuple[str, ...] = ()
         self.counter = HeadLoadCounter(low_load, collapse_windows, timestep_buckets)
         self._windows = 0
+        self._drawn_step: int | None = None  # of the last training heatmap drawn
         self._hparams: dict[str, Any] = {}
         self._run = ""
 
@@ -100,8 +113,12 @@ class HeadLoadCallback(Callback):
                 adapter(logger).start(self._hparams, self._metrics, routed, trainer.global_step)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not self.counter.count_train_batch() or self.counter.window_batches < self._window:
-            return
+        if self.counter.count_train_batch() and self.counter.window_batches >= self._window:
+            self._close_window(trainer, draw=self._windows % self.images_every_n_windows == 0)
+
+    def _close_window(self, trainer: Trainer, draw: bool) -> None:
+        """Logs the window's scalars and histograms, and with ``draw`` its cards. Every rank calls it (the counts are
+        summed over them); rank 0 logs."""
         snapshot, metrics = self.counter.close_window(trainer.strategy.reduce, trainer.global_step,
                                                       trainer.current_epoch, self._run,
                                                       warn=trainer.is_global_zero)
@@ -110,8 +127,20 @@ class HeadLoadCallback(Callback):
             return
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        if snapshot.routed_layers and (self._windows - 1) % self.images_every_n_windows == 0:
-            self._log_image(trainer, "head_load/heatmap_train", layer_card(snapshot))
+        self._log_once(trainer, "head_load_vs_even", snapshot.step, lambda shown: shown.histograms(snapshot))
+        if draw:
+            self._draw_training(trainer, snapshot)
+
+    def _draw_training(self, trainer: Trainer, snapshot) -> None:
+        """The window's heatmap, and each routed layer's load per head over the windows so far."""
+        if not snapshot.routed_layers:
+            return
+        self._drawn_step = snapshot.step
+        self._log_image(trainer, "head_load/heatmap_train", layer_card(snapshot), step=snapshot.step)
+        for layer in snapshot.routed_layers:
+            card = over_time_card(self.counter.history, layer)
+            if card is not None:
+                self._log_image(trainer, f"head_load/over_time_{layer_name(layer.index)}", card, step=snapshot.step)
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.counter.find_layers(pl_module)
@@ -143,8 +172,10 @@ class HeadLoadCallback(Callback):
     def _close_evaluation(self, trainer: Trainer, pl_module: LightningModule, split: str, tag: str) -> None:
         """Saves the validation's or test's head load (``split``) in the run folder and logs its heatmaps under
         ``head_load/heatmap_<tag>``."""
+        # A fit's validation at its step; `moh validate` / `moh test` at the checkpoint's (callbacks.LoggerRuns).
+        step = trainer.global_step if trainer.state.fn == TrainerFn.FITTING else compat.logging_step(trainer)
         snapshot = self.counter.close_validation(
-            trainer.strategy.reduce, trainer.global_step, trainer.current_epoch, self._run,
+            trainer.strategy.reduce, step, trainer.current_epoch, self._run,
             lambda kind, count: _group_labels(trainer, pl_module, kind, count), split)
         if snapshot is None:
             return
@@ -171,6 +202,12 @@ class HeadLoadCallback(Callback):
                             folder / f"{name}.png", snapshot.step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The steps since the last full window close one more, so the last training heatmap is the last step's.
+        if self.counter.window_batches:
+            self._close_window(trainer, draw=True)
+        elif self.counter.last_train is not None and self._drawn_step != self.counter.last_train.step:
+            if trainer.is_global_zero:
+                self._draw_training(trainer, self.counter.last_train)
         snapshot = self.counter.last_val or self.counter.last_train
         folder = _head_load_folder(trainer)
         if folder is None:
@@ -207,10 +244,16 @@ class HeadLoadCallback(Callback):
         if path is not None:
             save_png(rgb, path)
         step = trainer.global_step if step is None else step
+        self._log_once(trainer, tag, step, lambda shown: shown.image(tag, rgb, step))
+
+    @staticmethod
+    def _log_once(trainer: Trainer, key: str, step: int, show: Callable[[LoggerAdapter], None]) -> None:
+        """``show`` on each logger's adapter, unless an earlier part of this run logged ``key`` at ``step`` (a
+        resumed run repeats the steps after its checkpoint: no second image or histogram of one step)."""
         for logger in trainer.loggers:
-            if not logged_earlier(logger, tag, step):  # a resumed run repeats the steps after its checkpoint: no
-                adapter(logger).image(tag, rgb, step)  # second image of one step
-                record_logged(logger, tag, step)
+            if not logged_earlier(logger, key, step):
+                show(adapter(logger))
+                record_logged(logger, key, step)
 
 
 def _head_load_folder(trainer: Trainer) -> Path | None:

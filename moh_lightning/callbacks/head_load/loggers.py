@@ -1,10 +1,11 @@
 """What each logger shows of the head load: one small adapter per logger kind.
 
 Apart from the callback so that a logger is one class here rather than a branch in every hook: the callback says
-what happened (the run starts, an image, a saved ``loads.json``, the run ends) and each adapter shows it in its
-logger's own way. Scalars need no adapter: every Lightning logger takes ``log_metrics``. TensorBoard gets images,
-the custom-scalars layout, text and HParams; Weights & Biases images, line-series charts, a table, HTML text and
-config; MLflow step images, figures, text, artifacts and params; any other logger (CSV) scalars only.
+what happened (the run starts, an image, a window's histograms, a saved ``loads.json``, the run ends) and each
+adapter shows it in its logger's own way. Scalars need no adapter: every Lightning logger takes ``log_metrics``.
+TensorBoard gets images, histograms, the custom-scalars layout, text and HParams; Weights & Biases images, line-series
+charts, a table, HTML text and config; MLflow step images, figures, text, artifacts and params; any other logger
+(CSV) scalars only.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class LoggerAdapter:
     def loads_saved(self, path: Path) -> None:
         """The latest ``loads.json`` was written to ``path``."""
 
+    def histograms(self, snapshot: HeadLoadSnapshot) -> None:
+        """A training window's routed loads, one histogram per routed layer."""
+
     def end(self, text: str, snapshot: HeadLoadSnapshot | None, history: History, over_time: Figure | None,
             step: int) -> None:
         """The end-of-run summary (markdown ``text``), the last snapshot and the loads of every window."""
@@ -49,11 +53,19 @@ class TensorBoardAdapter(LoggerAdapter):
     logger: TensorBoardLogger
 
     def start(self, hparams: dict[str, Any], hparam_metrics: tuple[str, ...], routed: list[int], step: int) -> None:
+        from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         # TensorBoard keeps the first HParams record of a run, so this one, written before Lightning's own, is the
         # one it shows; its metric values are the scalars of those tags in the run, the final ones.
         experiment, start, end = hparams_summary(hparams, {name: 0.0 for name in hparam_metrics})
+        # The HParams table's trial column is 10em wide (~16 characters), which a run's path `<config>_75/version_0`
+        # overflows before it says anything that tells two runs apart; the trial is named by its budget and version
+        # first (`75% v0 <name>`, `dense v1 <name>`). Unique per run, so no two runs are merged into one group.
+        plugin_data = start.value[0].metadata.plugin_data
+        info = HParamsPluginData.FromString(plugin_data.content)
+        info.session_start_info.group_name = trial_name(hparams, self.logger.name, self.logger.version)
+        plugin_data.content = info.SerializeToString()
         writer = self.logger.experiment._get_file_writer()
         for summary in (experiment, start, end):
             writer.add_summary(summary, step)
@@ -74,10 +86,25 @@ class TensorBoardAdapter(LoggerAdapter):
     def image(self, tag: str, rgb: np.ndarray, step: int) -> None:
         self.logger.experiment.add_image(tag, rgb, step, dataformats="HWC")
 
+    def histograms(self, snapshot: HeadLoadSnapshot) -> None:
+        # Load ÷ even load, so that 1 is even in every layer and a Distributions band narrowing onto 1 is balance
+        # reached; fixed bins over the possible range (0 to every token), finer than TensorBoard's default buckets.
+        for layer in snapshot.routed_layers:
+            ratio = layer.routed_load / layer.balanced
+            self.logger.experiment.add_histogram(f"head_load_vs_even/{layer_name(layer.index)}", ratio,
+                                                 snapshot.step, bins=np.linspace(0.0, 1.0 / layer.balanced, 41))
+
     def end(self, text: str, snapshot: HeadLoadSnapshot | None, history: History, over_time: Figure | None,
             step: int) -> None:
         self.logger.experiment.add_text("head_load/summary", text, step)
         self.logger.experiment.flush()
+
+
+def trial_name(hparams: dict[str, Any], name: str, version: int | str) -> str:
+    """A run's name in TensorBoard's HParams table: its head budget, version and name, in the order that fits."""
+    budget = "dense" if hparams.get("moh/router") == "dense" else f"{100 * hparams['moh/activated_fraction']:.0f}%"
+    version = f"v{version}" if isinstance(version, int) else str(version)
+    return f"{budget} {version} {name}"
 
 
 class WandbAdapter(LoggerAdapter):
@@ -151,4 +178,4 @@ def adapter(logger: Logger) -> LoggerAdapter:
     return next((cls(logger) for kind, cls in _ADAPTERS if isinstance(logger, kind)), LoggerAdapter(logger))
 
 
-__all__ = ["LoggerAdapter", "MLflowAdapter", "TensorBoardAdapter", "WandbAdapter", "adapter"]
+__all__ = ["LoggerAdapter", "MLflowAdapter", "TensorBoardAdapter", "WandbAdapter", "adapter", "trial_name"]

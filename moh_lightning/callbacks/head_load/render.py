@@ -1,4 +1,4 @@
-"""The one renderer of head-load heatmaps: matplotlib, for the dashboards' image cards and for the paper figures.
+"""The one renderer of head-load heatmaps and load-over-time cards: matplotlib, for the dashboards and the papers.
 
 Separate from the callback so that ``moh head-figures`` draws a finished run's ``loads.json`` with exactly the code the
 dashboards used, without a model or a logger. A ``Grid`` says what a heatmap shows; ``heatmap`` draws it in one of
@@ -19,6 +19,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.textpath import TextToPath
+from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from moh_lightning.callbacks.head_load.loads import GroupLoad, HeadLoadSnapshot, LayerLoad
@@ -284,6 +285,55 @@ def layer_card(snapshot: HeadLoadSnapshot, title: str | None = None) -> np.ndarr
 def group_card(layer: LayerLoad, group: GroupLoad, max_groups: int | None = None) -> np.ndarray:
     """Dashboard card, (H, W, 3) uint8: routed heads x groups of one layer."""
     return figure_rgb(heatmap(group_grid(layer, group, max_groups)))
+
+
+def over_time_card(history: list[tuple[int, dict[int, list[float]]]], layer: LayerLoad) -> np.ndarray | None:
+    """Dashboard card, (H, W, 3) uint8: one routed layer's load per head over the training windows so far, a colour
+    and a legend entry per head and the even load dashed; None before the layer's first window.
+
+    Drawn here rather than left to a custom-scalars chart, which colours every line of a run alike, has no legend
+    and no reference line. Sized in pixels as the heatmap cards are, to stay readable at TensorBoard's card size.
+    """
+    points = [(step, loads[layer.index]) for step, loads in history if layer.index in loads]
+    if not points:
+        return None
+    steps = [step for step, _ in points]
+    values = 100 * np.asarray([loads for _, loads in points], dtype=float)
+    heads = values.shape[1]
+    rows = min(heads + 1, 7)                        # legend entries per column: the heads, then the even line
+    columns = math.ceil((heads + 1) / rows)
+    legend_w = 120 * columns
+    width = 600 + legend_w                          # as wide as a heatmap card, so its type reads alike
+    legend = _wrap(f"% of tokens · top-{layer.top_k} of {layer.routed}: even = {_format_load(layer.balanced)} "
+                   f"(dashed) · step {steps[-1]}", 22, width - 28)
+    left, top, bottom = 76, 56 + 29 * len(legend) + 14, 60
+    height = top + 270 + bottom
+    figure = Figure(figsize=(width / 72, height / 72), dpi=72)
+    FigureCanvasAgg(figure)
+    axis = figure.add_axes((left / width, bottom / height, (width - left - legend_w - 16) / width,
+                            (height - top - bottom) / height))
+    palette = colormaps["tab10" if heads <= 10 else "tab20"]
+    marker = "o" if len(steps) < 3 else None       # a line needs two windows; a first window shows as points
+    for head in range(heads):
+        axis.plot(steps, values[:, head], color=palette(head % palette.N), linewidth=3.5, marker=marker,
+                  markersize=9, label=f"h{layer.shared + head}")
+    axis.axhline(100 * layer.balanced, color="black", linestyle=(0, (4, 2)), linewidth=3,
+                 label="even")
+    axis.set_ylim(0, 102)
+    axis.set_yticks([0, 50, 100])
+    axis.tick_params(labelsize=24, length=4)
+    axis.xaxis.set_major_locator(MaxNLocator(4, integer=True))
+    axis.grid(alpha=0.3)
+    for side in ("top", "right"):
+        axis.spines[side].set_visible(False)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1.04), ncol=columns, fontsize=24, frameon=False,
+                handlelength=1.0, handletextpad=0.4, borderaxespad=0, columnspacing=0.6, labelspacing=0.25)
+    figure.text(14 / width, 1 - 10 / height, _fit(f"L{layer.index} · head load over training", 30, width - 28,
+                                                   bold=True), fontsize=30, weight="bold", va="top")
+    for i, line in enumerate(legend):
+        figure.text(14 / width, 1 - (54 + 29 * i) / height, line, fontsize=22, color=_NOTE_COLOUR, va="top")
+    figure.text(14 / width, 8 / height, "step", fontsize=22, color=_NOTE_COLOUR, va="bottom")
+    return figure_rgb(figure)
 
 
 def snapshot_figures(snapshot: HeadLoadSnapshot, max_groups: int | None = None) -> dict[str, Figure]:

@@ -146,7 +146,7 @@ def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_s
     moh(["convert-hf", "--source", "source", "--out", "converted", "--num_shared_heads", "2", "--top_k", "1"])
     (run_dir / "my.txt").write_text(TEXT * 20)
     moh(_fit_args("converted", "--model.init_args.arch.moh.top_k", "2", "--trainer.max_steps", "1"))
-    run = run_checkpoints("continue_hf_75").parent
+    run = run_checkpoints("continue_hf_50").parent  # named for the budget typed: 2 shared + top-2 of 8 heads
     arch = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]["arch"]
     assert {key: arch[key] for key in ("depth", "embed_dim", "num_heads", "head_dim", "num_kv_heads",
                                        "intermediate_size", "norm_eps")} == {
@@ -163,9 +163,9 @@ def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_s
     assert f"moh validate: metrics and head load in {run / 'eval' / 'validate-last'}" in said.out
 
 
-def _run_arch() -> dict:
-    """The arch of the last continue_hf_75 run's config.yaml."""
-    run = run_checkpoints("continue_hf_75").parent
+def _run_arch(name: str = "continue_hf_75") -> dict:
+    """The arch of the last run ``name``'s config.yaml."""
+    run = run_checkpoints(name).parent
     return yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]["arch"]
 
 
@@ -207,7 +207,7 @@ def test_a_converted_hybrid_continue_tunes_with_a_budget_per_attention_layer(run
     train_tokenizer(run_dir / "converted")
     (run_dir / "my.txt").write_text(TEXT * 20)
     moh(_fit_args("converted", "--model.init_args.arch.moh.top_k", "[2]", "--trainer.max_steps", "1"))
-    arch = _run_arch()
+    arch = _run_arch("continue_hf_100")  # named for the budget typed: 2 shared + top-2 of 4, every head
     assert (arch["depth"], arch["layer_heads"], arch["moh"]["num_shared_heads"], arch["moh"]["top_k"]) == (
         2, [4], 2, [2])
     assert _layer_budgets(_fitting(LanguageModel(arch, init_from="converted"))) == [(4, 2, 2)]
