@@ -11,8 +11,13 @@ import torch
 import yaml
 from PIL import Image
 
-# Two threads at most: the suite runs on a 2-core CI machine.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two threads at most: the suite runs on a 2-core CI machine, and under pytest-xdist the cores are shared out among its
+# workers (two workers on two cores: one thread each, for torch here and for the processes a test starts), since
+# torch's threads spin-wait and two workers of two threads each on two cores run slower than one thread each.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads(), (os.cpu_count() or 1) // _WORKERS)))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

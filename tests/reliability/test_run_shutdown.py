@@ -22,9 +22,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 from conftest import pythonpath
+from exact_runs import RUN, VIT, assert_same_run, load_checkpoint
 from lightning.pytorch.strategies import DDPStrategy
-from test_checkpoint_files import _load
-from test_exact_resume import RUN, VIT, _assert_same_run
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
@@ -110,7 +109,7 @@ def test_sigterm_to_forked_ranks_saves_at_the_step_boundary_and_ends_them_all(ru
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 143
     assert _said(tmp_path) == [f"moh: stopped by SIGTERM after step 5; saved {LAST}. {AGAIN}"]
-    assert _load(tmp_path / LAST)["global_step"] == 5
+    assert load_checkpoint(tmp_path / LAST)["global_step"] == 5
     runs.assert_none_left()
 
 
@@ -136,7 +135,7 @@ def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, t
                                f"the newest checkpoint is {LAST} (step 3). {AGAIN}"]
     assert (grace <= took < grace + 15) if signals == 1 else took < 15, took
     runs.assert_none_left()
-    assert _load(tmp_path / LAST)["global_step"] == 3
+    assert load_checkpoint(tmp_path / LAST)["global_step"] == 3
 
 
 def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_path):
@@ -197,7 +196,7 @@ def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_p
     for n, node in enumerate(_two_nodes(runs, folder, "--ckpt_path", "last"), start=2):
         code, err = _exit_code(node, folder, n, timeout=600)
         assert code == 0, err
-    _assert_same_run(expected, folder)
+    assert_same_run(expected, folder)
     assert f"Restoring states from the checkpoint path at {LAST}" in (folder / "err2.txt").read_text()
     runs.assert_none_left()
 

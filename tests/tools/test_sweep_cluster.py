@@ -32,8 +32,8 @@ import ray
 import yaml
 from conftest import pythonpath
 from lightning.pytorch import Callback
+from sweep_cases import FIT_CONFIG, read_csv, run_state, tiny_overlay
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_sweep import FIT_CONFIG, read_csv, run_state, tiny_overlay
 
 from moh_lightning import cli
 from moh_lightning.sweep.ray_tune import DONE_FILE

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import ctrl_c_restored
-from test_sweep import read_csv
+from sweep_cases import read_csv
 
 from moh_lightning import cli
 
