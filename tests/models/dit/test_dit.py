@@ -171,11 +171,6 @@ def test_sampling_uses_the_training_noise_schedule(sampler):
                                task.noise_scheduler.alphas_cumprod)
 
 
-@pytest.mark.parametrize("name", ["dit_mnist_90", "dit_mnist_75", "dit_mnist_100"])
-def test_shipped_mnist_configs_train_one_step(name, run_dir):
-    main(["fit", "--config", name, "--trainer.fast_dev_run=1"])
-
-
 @pytest.mark.parametrize("path", [name for name in DIT_YAMLS if not any(kind in name for kind in PIXEL_SPACE)])
 def test_shipped_imagenet_configs_parse(path, capsys):
     with pytest.raises(SystemExit) as exit_info:
