@@ -35,7 +35,9 @@ from moh_lightning.sweep import ray_tune
 from moh_lightning.sweep.grid import baseline_index, cli_value, grid_cells, trial_names
 from moh_lightning.sweep.report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
-pytestmark = pytest.mark.server
+# Ray clusters run one at a time (one worker under pytest-xdist), as they did in one process; the unit tests of the
+# statistics, names and report below start none.
+RAY = pytest.mark.xdist_group("ray")
 
 GRID = {"model.init_args.lr": [2e-3, 1e-2]}
 SEEDS = [0, 1]
@@ -79,6 +81,8 @@ def ray_processes(before: set[int]) -> list[str]:
         time.sleep(0.5)
 
 
+@pytest.mark.server
+@RAY
 def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # run_dir: tmp, and the working folder, so nothing a trial writes lands in the checkout.
     overlay = run_dir / "tiny.yaml"
@@ -155,6 +159,8 @@ def _checkpoints(run: Path) -> list[Path]:
     return [path for path in run.glob("version_*/checkpoints/*.ckpt") if path.name != "last.ckpt"]
 
 
+@pytest.mark.server
+@RAY
 def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly_leaving_nothing_outside(tmp_path: Path):
     # Two trials that train the same (the grid's key only changes how many checkpoints are kept), in a fresh HOME
     # and TMPDIR; Ctrl-C (SIGINT to the sweep's process group) during the second.
