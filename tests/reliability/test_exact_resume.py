@@ -28,13 +28,26 @@ import pytest
 import torch
 import yaml
 from conftest import ctrl_c_restored, pythonpath, run_checkpoints
-from exact_runs import RUN, VIT, VIT_STEPS, assert_same_run, checkpoints, fit, load_checkpoint, working_folder
-from faults import CrashAtStep, CrashInValidation, scramble, truncate
-from lightning.pytorch import Callback
+from exact_runs import (
+    RUN,
+    VIT,
+    VIT_STEPS,
+    SigtermInValidation,
+    assert_same_run,
+    checkpoints,
+    fit,
+    load_checkpoint,
+    working_folder,
+)
+from faults import CrashAtStep, CrashInValidation, scramble, truncate, wait_until_the_stop_is_heard
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.loggers import Logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-from moh_lightning.callbacks import StepCheckpoint
+from moh_lightning.callbacks import ExactResumeCallback, StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
 from moh_lightning.configs import resolve_config
 from moh_lightning.trainer_cli import MoHLightningCLI
@@ -164,24 +177,20 @@ def _moh(folder: Path, *args: str) -> subprocess.Popen:
                             stderr=open(folder / "err.txt", "w"), start_new_session=True, preexec_fn=ctrl_c_restored)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda stop: stop.name)
-def test_a_stop_signal_saves_at_the_step_boundary_exits_non_zero_and_resumes_exactly(stop, uninterrupted, tmp_path):
-    """SIGTERM as `kill`, a container stop or a cloud preemption sends it (to `moh`); Ctrl-C's SIGINT as a terminal
-    sends it, to every process of the run: the loader workers leave it to their process, which stops after the step.
-    Before, Ctrl-C ended the run with Lightning's "Detected KeyboardInterrupt", exit code 1 and no checkpoint."""
-    folder = tmp_path / stop.name
+def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_exactly(uninterrupted, tmp_path):
+    """Ctrl-C's SIGINT as a terminal sends it, to every process of the run: the loader workers leave it to their
+    process, which stops after the step. Before, Ctrl-C ended the run with Lightning's "Detected KeyboardInterrupt",
+    exit code 1 and no checkpoint. (Only a process group shows this; SIGTERM's hook is tested in this process below.)"""
+    folder = tmp_path / "SIGINT"
     run = _moh(folder, "--trainer.callbacks+=exact_runs.SignalWindow")
     deadline = time.monotonic() + 300
     while not (folder / "in_step_4").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    if stop == signal.SIGTERM:
-        run.send_signal(stop)  # inside step 4
-    else:
-        os.killpg(run.pid, stop)
-    assert run.wait(timeout=120) == 128 + stop and StepCheckpoint.EXIT_CODE == 143
+    os.killpg(run.pid, signal.SIGINT)  # inside step 4
+    assert run.wait(timeout=120) == 128 + signal.SIGINT
     lines = (folder / "err.txt").read_text().splitlines()
     assert [line for line in lines if line.startswith("moh: ")] == [
-        f"moh: stopped by {stop.name} after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
+        f"moh: stopped by SIGINT after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
         f"Continue with the same command and --ckpt_path last."], lines[-20:]
     # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
     assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 4
@@ -189,20 +198,108 @@ def test_a_stop_signal_saves_at_the_step_boundary_exits_non_zero_and_resumes_exa
     assert_same_run(uninterrupted, folder)
 
 
-@pytest.mark.parametrize("at", ["batch", "end"])
-def test_sigterm_during_a_validation_saves_the_step_before_it_and_resumes_exactly(at, uninterrupted, tmp_path):
-    """Heard in the validation's first batch, or after its last (before, a resumed run then logged every later step
-    one step late: the checkpoint held Lightning's count of logged steps after this step's)."""
-    folder = tmp_path / "sigterm_in_validation"
-    validation = ["--trainer.limit_val_batches=2", "--trainer.val_check_interval=2",
-                  "--trainer.check_val_every_n_epoch=null"]
-    with pytest.raises(SystemExit) as stop:
-        fit(folder, *validation, "--trainer.callbacks+=exact_runs.SigtermInValidation",
-             "--trainer.callbacks.step=4", f"--trainer.callbacks.at={at}")
-    assert stop.value.code == 143
-    assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 4
-    fit(folder, *validation, "--ckpt_path", "last")
-    assert_same_run(uninterrupted, folder)
+class _Noisy(LightningModule):
+    """A regression on shuffled batches that draws noise in every training and validation step, as DiT's steps do:
+    a resumed run that restored the wrong random states or loader position, or logs under the wrong step, differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return (self.layer(x + 0.1 * torch.randn_like(x)) - y).pow(2).mean()
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch))
+
+    def _loader(self, shuffle: bool) -> StatefulDataLoader:
+        data = torch.Generator().manual_seed(1)
+        return StatefulDataLoader(TensorDataset(torch.randn(20, 4, generator=data), torch.randn(20, 1, generator=data)),
+                                  batch_size=4, shuffle=shuffle)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        return self._loader(shuffle=True)
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        return self._loader(shuffle=False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Logged(Logger):
+    """Every metric logged, under the step Lightning logged it at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, str, float]] = []
+
+    name, version = "logged", 0
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.rows += [(step, key, float(value)) for key, value in metrics.items() if key.endswith("loss")]
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+
+class _SigtermInStep(Callback):
+    """Sends its own process SIGTERM as training step ``step`` + 1 starts, and waits until it has been heard."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_until_the_stop_is_heard(trainer, seconds=10)
+
+
+def _noisy_fit(folder: Path, logged: _Logged, *callbacks: Callback, ckpt_path: str | None = None) -> Trainer:
+    trainer = Trainer(max_steps=VIT_STEPS, logger=logged, log_every_n_steps=1, val_check_interval=2,
+                      check_val_every_n_epoch=None, limit_val_batches=2, enable_progress_bar=False,
+                      enable_model_summary=False, deterministic=True, plugins=[AtomicCheckpointIO()],
+                      callbacks=[StepCheckpoint(str(folder), every_n_train_steps=3), ExactResumeCallback(), *callbacks])
+    trainer.fit(_Noisy(), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize("where", ["step", "batch", "end"])
+def test_sigterm_in_a_step_or_a_validation_saves_that_step_exits_143_and_resumes_exactly(where, tmp_path, capfd):
+    """SIGTERM as `kill`, a container stop or a cloud preemption sends it, inside step 5, or in the validation after
+    step 4: heard in its first batch, or after its last (before, a resumed run then logged every later step one step
+    late: the checkpoint held Lightning's count of logged steps after this step's). StepCheckpoint's hook saves that
+    step, says so in one line and exits 143; ``--ckpt_path last`` then continues as the uninterrupted run."""
+    expected = _Logged()
+    reference = _noisy_fit(tmp_path / "uninterrupted", expected)
+    folder, stopped, resumed = tmp_path / "stopped", _Logged(), _Logged()
+    stop = _SigtermInStep(5) if where == "step" else SigtermInValidation(4, at=where)
+    with pytest.raises(SystemExit) as exit_info:
+        _noisy_fit(folder, stopped, stop)
+    saved = 5 if where == "step" else 4
+    assert exit_info.value.code == StepCheckpoint.EXIT_CODE == 143
+    assert [line for line in capfd.readouterr().err.splitlines() if line.startswith("moh: ")] == [
+        f"moh: stopped by SIGTERM after step {saved}; saved {folder / 'last.ckpt'}. Continue with the same command "
+        f"and --ckpt_path last."]
+    # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
+    assert load_checkpoint(folder / "last.ckpt")["global_step"] == saved
+    trainer = _noisy_fit(folder, resumed, ckpt_path=str(folder / "last.ckpt"))
+    assert trainer.global_step == reference.global_step == VIT_STEPS
+    _assert_same_tensors(reference.lightning_module.state_dict(), trainer.lightning_module.state_dict())
+    # Every training loss logged once, at its own step, with the uninterrupted run's value; the validations after the
+    # resume as the uninterrupted run's.
+    train = [row for row in stopped.rows + resumed.rows if row[1] == "train/loss"]
+    assert sorted(train) == sorted(row for row in expected.rows if row[1] == "train/loss")
+    assert len(train) == VIT_STEPS
+    assert [row for row in resumed.rows if row[1] == "val/loss"] == \
+        [row for row in expected.rows if row[1] == "val/loss" and row[0] >= saved]
 
 
 # 2. The DiT and LM runs ---------------------------------------------------------------------------------------------
