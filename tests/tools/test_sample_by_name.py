@@ -12,6 +12,7 @@ from conftest import run_checkpoints
 from moh_lightning.cli import main
 from moh_lightning.configs import resolve_config
 from moh_lightning.data.digits import DIGIT_WORDS, write_digits_folder
+from moh_lightning.layers import activated_head_fraction
 from moh_lightning.trainer_cli import MoHLightningCLI
 
 FEW_STEPS = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
@@ -74,3 +75,4 @@ def test_vit_folder_config_trains_on_a_flat_folder_with_its_classes(tmp_path, mo
     assert cli.trainer.global_step == 1 and math.isfinite(cli.trainer.callback_metrics["train/loss"])
     assert cli.datamodule.class_names == sorted(DIGIT_WORDS)  # the folder names, sorted, are the classes
     assert cli.model.model.num_classes == 10 and cli.model.model.patch_embed.proj.in_channels == 1  # from the data
+    assert activated_head_fraction(cli.model) == pytest.approx(0.75, abs=0.01)  # the budget in the config's name
