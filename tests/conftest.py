@@ -11,8 +11,13 @@ import torch
 import yaml
 from PIL import Image
 
-# Two threads at most: the suite runs on a 2-core CI machine.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two threads at most: the suite runs on a 2-core CI machine, and under pytest-xdist the cores are shared out among its
+# workers (two workers on two cores: one thread each, for torch here and for the processes a test starts), since
+# torch's threads spin-wait and two workers of two threads each on two cores run slower than one thread each.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads(), (os.cpu_count() or 1) // _WORKERS)))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -30,10 +35,28 @@ def ctrl_c_restored() -> None:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Distributed and server tests are slow as well, so that ``-m "not slow"`` leaves them out."""
+    """Distributed and server tests are slow as well, so that ``-m "not slow"`` leaves them out.
+
+    Under pytest-xdist (``--dist loadgroup``) the tests that share a module-scoped fixture (a trained checkpoint, an
+    uninterrupted reference run, a server) run on one worker, which builds it once; the others are handed out one by
+    one. A test marked ``xdist_group`` itself keeps its own group."""
     for item in items:
         if item.get_closest_marker("distributed") or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.slow)
+        shared = _module_fixtures(item)
+        if shared and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{shared[0]}"))
+
+
+def _module_fixtures(item) -> list[str]:
+    """The fixtures of ``item``'s own module that live longer than a test, by name."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    module = getattr(item, "module", None)
+    return sorted(name for name, definitions in info.name2fixturedefs.items()
+                  if definitions[-1].scope in ("module", "class", "package", "session")
+                  and getattr(definitions[-1].func, "__module__", None) == getattr(module, "__name__", ""))
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
-"""Callbacks that inject crashes, hangs and lost nodes into a training run, for the reliability tests."""
+"""Callbacks that inject crashes, hangs and lost nodes into a training run, and damage into checkpoint files, for the
+reliability tests."""
 import os
 import signal
 import time
+import zipfile
 from pathlib import Path
 
 from lightning.pytorch import Callback
@@ -61,3 +63,18 @@ class KillNodeAtStep(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def truncate(path: Path) -> None:
+    """Cuts the file to half its length, as an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def scramble(path: Path) -> None:
+    """Overwrites the start of the archive's pickle, as a disk fault would: still a complete zip file."""
+    data = bytearray(path.read_bytes())
+    start = data.index(b"data.pkl") + 40
+    data[start:start + 32] = bytes(range(200, 232))
+    path.write_bytes(bytes(data))
+    assert zipfile.is_zipfile(path)

@@ -52,7 +52,7 @@ def _flat(prefix: str, value, out: dict) -> dict:
 
 def settings(config: str) -> dict:
     """The settings of one shipped config, its model built on the meta device (no memory, no initialisation)."""
-    from moh_lightning.layers import MoHHeads
+    from moh_lightning.layers import MoHHeads, activated_head_fraction
     from moh_lightning.trainer_cli import MoHLightningCLI
 
     args = ["--config", config, *REQUIRED.get(config.rsplit("_", 1)[0], []),
@@ -88,6 +88,7 @@ def settings(config: str) -> dict:
                            None if r is None else r.num_shared_heads, None if r is None else r.top_k,
                            None if r is None else getattr(r, "type_router", None) is not None])
     out["attention_layers"] = layers
+    out["head_fraction"] = activated_head_fraction(task)  # not in the snapshot: checked against the config's name
     # Stochastic regularisers shape training but not the state dict: DropPath, Dropout, label dropout.
     out["dropout"] = [[type(m).__name__, float(getattr(m, a))] for m in task.modules()
                       for a in ("drop_prob", "p", "dropout_prob") if isinstance(getattr(m, a, None), float)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moh_lightning.cli import main
+from moh_lightning.cli import COMMANDS, main
 
 INTEGRATIONS = ("ray", "lm_eval", "mlflow", "wandb", "transformers", "datasets", "accelerate")
 
@@ -22,10 +22,13 @@ def _integrations_loaded(code: str, cwd=None) -> list[str]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_importing_the_package_loads_nothing_and_the_block_no_integration_that_timm_does_not():
+def test_importing_the_package_or_moh_help_loads_nothing_and_the_block_no_integration_that_timm_does_not():
     """timm imports W&B where it is installed (``timm.utils``), and a core install has none; the block and the named
-    models add nothing to what timm loads."""
-    assert _integrations_loaded("import moh_lightning\nassert 'torch' not in sys.modules") == []
+    models add nothing to what timm loads. `moh --help` lists the commands without importing torch or any of them."""
+    lean = sorted({command.target.partition(":")[0] for command in COMMANDS.values()} | {"torch"})
+    assert _integrations_loaded("import moh_lightning\nassert 'torch' not in sys.modules\n"
+                                "from moh_lightning.cli import main\nmain(['--help'])\n"
+                                f"assert not set({lean!r}) & set(sys.modules), set({lean!r}) & set(sys.modules)") == []
     timms = _integrations_loaded("import timm")
     block = _integrations_loaded("import moh_lightning.models\nfrom moh_lightning import MoHAttention")
     assert set(block) <= set(timms)

@@ -54,8 +54,29 @@ class PauseInStep5(Callback):
             wait_until_the_stop_is_heard(trainer, seconds=30)
 
 
-def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:
-    """``moh fit`` in a process of its own, stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it)."""
+class StopInStep5(Callback):
+    """Sends its own process the signal ``stop`` when step 5 starts (after the step-3 checkpoint), and waits there
+    until the run's watchdog has heard it: what a stop from outside does, in this process."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = getattr(signal, stop)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == 4:
+            os.kill(os.getpid(), self.stop)
+            wait_until_the_stop_is_heard(trainer, seconds=30)
+
+
+def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = False) -> None:
+    """``moh fit`` stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it): in this process, or in a
+    process of its own (``process``) where only one shows what the logger does (a W&B service, a server's run)."""
+    code = 143 if stop == "SIGTERM" else 130
+    if not process:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.StopInStep5",
+                  f"--trainer.callbacks.stop={stop}"])
+        assert exit_info.value.code == code
+        return
     # Without WANDB_SERVICE the child starts a W&B service of its own, as a `moh fit` from a shell does: one
     # inherited from an earlier test here would still hold the killed run's id when the run is continued.
     env = {**{key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"},
@@ -68,7 +89,7 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str) -> None:
     while not (folder / "paused").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     run.send_signal(getattr(signal, stop))
-    assert run.wait(timeout=120) == (143 if stop == "SIGTERM" else 130), (folder / "err.txt").read_text()[-3000:]
+    assert run.wait(timeout=120) == code, (folder / "err.txt").read_text()[-3000:]
 
 
 def _continue_and_validate(logger: list[str], capsys) -> str:
@@ -167,7 +188,7 @@ def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, 
         logger += ["--trainer.logger.init_args.tracking_uri", uri]
     else:
         uri = f"sqlite:///{run_dir / 'mlflow.db'}"  # MLflow's default store, in the working folder
-    _fit_and_stop(run_dir, logger, stop)
+    _fit_and_stop(run_dir, logger, stop, process=store == "server")  # one real server's run across processes
     printed = _continue_and_validate(logger, capsys)
     _assert_run_folder(run_dir)
     client = MlflowClient(uri)
@@ -190,7 +211,7 @@ def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, 
 
 
 def test_a_wandb_offline_run_is_continued_under_its_id_without_a_step_twice(run_dir, capsys):
-    _fit_and_stop(run_dir, LOGGERS["wandb"], "SIGINT")
+    _fit_and_stop(run_dir, LOGGERS["wandb"], "SIGINT", process=True)  # W&B's service and its run id
     printed = _continue_and_validate(LOGGERS["wandb"], capsys)
     _assert_run_folder(run_dir, head_load=False)  # a W&B run's head_load/ goes with its files
     parts = sorted((run_dir / RUN / "wandb").glob("offline-run-*"))

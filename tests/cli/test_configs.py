@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import random
 import re
 import textwrap
@@ -16,7 +17,8 @@ import pytest
 from resolved_settings import settings
 
 from moh_lightning.cli import main
-from moh_lightning.configs import config_dir, shipped_configs
+from moh_lightning.configs import config_dir, resolve_config, shipped_configs
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 MAIN = json.loads((Path(__file__).parents[1] / "data" / "main_settings.json").read_text())
 
@@ -126,8 +128,11 @@ def test_every_shipped_experiment_is_in_the_snapshot():
 
 
 @pytest.mark.parametrize("name", sorted(MAIN))
-def test_config_builds_what_it_built_before(name):
+def test_config_builds_what_it_built_before_with_the_head_budget_in_its_name(name):
+    """The one build of every shipped experiment (on the meta device): what it builds is the snapshot's, and its
+    network uses the share of heads its name says (``<model>_<percent of heads>.yaml``, 100 = the dense baseline)."""
     old, new = _retuned(name, MAIN[name]), settings(name)
+    assert new["head_fraction"] == pytest.approx(int(Path(name).stem.rsplit("_", 1)[1]) / 100, abs=0.015)
     assert new["seed"] == old["seed"]
     assert new["trainer"] == old["trainer"]
     assert new["data"]["class"] == old["data"]["class"]
@@ -175,10 +180,10 @@ def test_experiment_configs_are_short_and_state_only_what_differs():
     assert [line for line, n in counts.items() if n >= 10] == []
 
 
-# Small enough to run a real fast_dev_run on the CPU here; the others are built on the meta device above.
-RUNNABLE = ["vit_tiny_mnist_75.yaml", "vit_tiny_mnist_50.yaml", "vit_tiny_mnist_100.yaml", "dit_mnist_90.yaml",
-            "dit_mnist_75.yaml", "dit_mnist_100.yaml", "llm_stdlib_75.yaml", "llm_stdlib_50.yaml",
-            "llm_stdlib_100.yaml", "moh_transnext_mnist_75.yaml"]
+# One real fast_dev_run on the CPU per task and CPU recipe (the others are built on the meta device above): a
+# config's other head budgets build the same task from the same recipe, and the dense baselines (moh: null) train in
+# tests/callbacks/test_run_output.py and tests/tools/test_bench.py.
+RUNNABLE = ["vit_tiny_mnist_75.yaml", "dit_mnist_90.yaml", "llm_stdlib_75.yaml", "moh_transnext_mnist_75.yaml"]
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +198,16 @@ def text_corpus(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RUNNABLE)
-def test_cpu_config_runs_fast_dev_run(name, run_dir, text_corpus):
+def test_cpu_config_trains_and_validates_a_step_with_finite_losses(name, run_dir, text_corpus):
     extra = ["--data.init_args.sources", f"[{{path: {text_corpus}, pattern: '*.py', val_fraction: 0.3}}]"] \
         if name.startswith("llm") else []
-    main(["fit", "--config", name, "--trainer.fast_dev_run", "1", "--data.init_args.batch_size", "4", *extra])
+    cli = MoHLightningCLI(args=["fit", "--config", resolve_config(name), "--trainer.fast_dev_run", "1",
+                                "--data.init_args.batch_size", "4", *extra])
+    assert cli.trainer.global_step == 1
+    losses = {key: float(value) for key, value in cli.trainer.callback_metrics.items() if key.endswith("/loss")}
+    assert {"train/loss", "val/loss"} <= set(losses), sorted(cli.trainer.callback_metrics)
+    assert all(math.isfinite(value) for value in losses.values()), losses
+    assert not (run_dir / "runs").exists()  # a fast_dev_run writes no run folder
 
 
 def test_shipped_configs_print_their_whole_config(capsys):

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from attention_oracle import dense_and_mask
 
 from moh_lightning.layers import KVCache, MoHAttention
 from moh_lightning.layers.head_sparse_attention import head_sparse_attention, use_head_sparse
@@ -67,19 +68,6 @@ def test_sparse_equals_dense_forward_backward(case):
         assert grad is not None, name
         torch.testing.assert_close(grads_s[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     assert any("router" in name for name in grads_d)
-
-
-def dense_and_mask(q, k, v, gates, causal=False, offset=0, key_padding_mask=None):
-    """The dense-and-mask formulation: SDPA over every head with an explicit mask, times the gates; (B, N, h, d).
-    The oracle of the CPU and the CUDA head-sparse tests."""
-    length, num_keys = q.shape[2], k.shape[2]
-    allowed = torch.ones(q.shape[0], 1, length, num_keys, dtype=torch.bool)
-    if causal:
-        allowed &= torch.arange(num_keys) <= torch.arange(length)[:, None] + offset
-    if key_padding_mask is not None:
-        allowed &= key_padding_mask[:, None, None, :num_keys]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-    return out.transpose(1, 2) * gates[..., None]
 
 
 @pytest.mark.parametrize("length, num_keys, num_kv_heads, causal, padded", [

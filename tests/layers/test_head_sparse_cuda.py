@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_head_sparse_attention import dense_and_mask
+from attention_oracle import dense_and_mask
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from moh_lightning.layers import MoHAttention

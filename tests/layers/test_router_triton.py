@@ -85,7 +85,8 @@ def _check_passes(module, layout, padded: bool, dtype: torch.dtype, device: str)
 def test_passes_under_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this process is the interpreter's")
-    result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+    # -n 0: in that one process (pyproject's addopts would start pytest-xdist workers of its own).
+    result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0"],
                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
 

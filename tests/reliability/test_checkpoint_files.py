@@ -16,11 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from exact_runs import load_checkpoint
+from faults import scramble, truncate
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,10 +32,6 @@ from moh_lightning.checkpoint_io import AtomicCheckpointIO
 from moh_lightning.runs import checkpoint_problem, latest_loadable_checkpoint
 
 pytestmark = pytest.mark.slow
-
-
-def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 # 1. A write that fails or is killed midway ------------------------------------------------------------------------
@@ -111,24 +108,10 @@ def _fake_run(root: Path, steps: tuple[int, ...]) -> Path:
     return folder
 
 
-def _truncate(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
-def _scramble(path: Path) -> None:
-    """Overwrites the start of the archive's pickle, as a disk fault would: still a complete zip file."""
-    data = bytearray(path.read_bytes())
-    start = data.index(b"data.pkl") + 40
-    data[start:start + 32] = bytes(range(200, 232))
-    path.write_bytes(bytes(data))
-    assert zipfile.is_zipfile(path)
-
-
 def test_a_checkpoint_that_does_not_load_is_moved_aside_with_a_warning_and_the_next_newest_used(tmp_path):
     folder = _fake_run(tmp_path, (3, 6, 9))
-    _truncate(folder / "last.ckpt")
-    _scramble(folder / "step=0000009.ckpt")
+    truncate(folder / "last.ckpt")
+    scramble(folder / "step=0000009.ckpt")
     with pytest.warns(UserWarning) as warned:
         version, chosen = latest_loadable_checkpoint(tmp_path / "runs" / "exp")
     assert (version.name, chosen.name) == ("version_0", "step=0000006.ckpt")
@@ -146,7 +129,7 @@ def test_a_checkpoint_that_does_not_load_is_moved_aside_with_a_warning_and_the_n
 
 def test_only_rank_zero_moves_a_checkpoint_aside_and_every_rank_picks_the_same(tmp_path, monkeypatch, recwarn):
     folder = _fake_run(tmp_path, (3, 6))
-    _truncate(folder / "last.ckpt")
+    truncate(folder / "last.ckpt")
     monkeypatch.setattr(rank_zero_only, "rank", 1)  # what a DDP child process reads from LOCAL_RANK / RANK
     assert latest_loadable_checkpoint(tmp_path / "runs" / "exp")[1].name == "step=0000006.ckpt"
     assert (folder / "last.ckpt").is_file() and not recwarn.list  # left to rank 0, which may be checking it now
@@ -158,7 +141,7 @@ def test_only_rank_zero_moves_a_checkpoint_aside_and_every_rank_picks_the_same(t
 
 def test_when_no_checkpoint_loads_the_run_stops_in_one_line_listing_them_and_renames_nothing(tmp_path):
     folder = _fake_run(tmp_path, (3,))
-    _truncate(folder / "last.ckpt")
+    truncate(folder / "last.ckpt")
     (folder / "step=0000003.ckpt").write_bytes(b"")
     with pytest.raises(SystemExit) as stop:
         latest_loadable_checkpoint(tmp_path / "runs" / "exp")
@@ -171,7 +154,7 @@ def test_when_no_checkpoint_loads_the_run_stops_in_one_line_listing_them_and_ren
 
 def test_the_next_newest_is_the_highest_step_even_in_a_folder_copied_without_its_times(tmp_path):
     folder = _fake_run(tmp_path, (3, 6))
-    _truncate(folder / "last.ckpt")
+    truncate(folder / "last.ckpt")
     os.utime(folder / "step=0000003.ckpt", (3000, 3000))  # as `cp -r` leaves them: in copy order
     with pytest.warns(UserWarning, match="resuming from the next newest, .*step=0000006.ckpt"):
         assert latest_loadable_checkpoint(tmp_path / "runs" / "exp")[1].name == "step=0000006.ckpt"
@@ -257,4 +240,4 @@ def test_disk_full_stops_a_training_run_with_the_newest_checkpoint_intact(tmp_pa
     monkeypatch.undo()
     assert saves == [2, 2, 4]  # step 2 and its last.ckpt, then step 4 failed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=0000002.ckpt"]
-    assert _load(tmp_path / "last.ckpt")["global_step"] == 2
+    assert load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2

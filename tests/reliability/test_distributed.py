@@ -1,16 +1,15 @@
 """Two-process DDP on CPU (gloo): agrees with one process over the same data (load-balance loss, head loads,
 weights), and `moh fit` trains every task under Lightning's DDP strategy."""
 import csv
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_checkpoints
+from ddp_cases import DDP_TASKS, logged_scalars, write_text_corpus
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from moh_lightning import MoHAttention, pop_load_balance_loss
@@ -94,46 +93,11 @@ class RankState(Callback):
         torch.save(pl_module.state_dict(), f"rank{trainer.global_rank}.pt")
 
 
-def _write_text_corpus(folder: Path) -> None:
-    """Twelve small 'documents', so the LM test tokenises kilobytes rather than the standard library."""
-    words = ["def", "return", "self", "x", "=", "(", ")", ":", "if", "for"]
-    folder.mkdir()
-    for i in range(12):
-        (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(2000)))
-
-
-# Each shipped config shrunk to seconds: 3 optimizer steps on each of 2 processes, one validation batch at the end.
-DDP_TASKS = {
-    "classification": ("vit_tiny_mnist_75", ["--data.init_args.batch_size=16", "--trainer.limit_val_batches=1",
-                                             "--trainer.val_check_interval=3"]),
-    # dit_mnist_90's own callbacks (EMA from step 400, sample grids every 1000 steps) are replaced so that the
-    # EMA is updated and a grid is sampled on rank 0 within the 3 steps; the head-load dashboards and last.ckpt
-    # are the always-on callbacks'.
-    "diffusion": ("dit_mnist_90", ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1",
-                                   "--trainer.val_check_interval=3", "--trainer.callbacks=" + json.dumps([
-                                       {"class_path": "moh_lightning.callbacks.EMAWeightAveraging",
-                                        "init_args": {"decay": 0.9, "update_starting_at_step": 1}},
-                                       {"class_path": "moh_lightning.callbacks.sample_grid.SampleGridCallback",
-                                        "init_args": {"every_n_steps": 2, "num_per_class": 1, "steps": 2}}])]),
-    "language_model": ("llm_stdlib_75", [
-        "--data.init_args.sources=[{path: corpus, val_fraction: 0.3}]", "--data.init_args.cache_dir=token_cache",
-        "--data.init_args.seq_len=64", "--data.init_args.batch_size=4", "--model.init_args.arch.depth=2",
-        "--model.init_args.arch.embed_dim=64", "--model.init_args.arch.head_dim=8",
-        "--model.init_args.arch.intermediate_size=128", "--model.init_args.arch.block_size=64",
-        "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3"]),
-}
-
-
-def _logged_scalars(run: Path, tag: str) -> list[float]:
-    accumulator = EventAccumulator(str(run)).Reload()
-    return [event.value for event in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
-
-
 @pytest.mark.parametrize("task", TASKS)  # a registered task with no case here fails
 def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(task, run_dir):
     config, overrides = DDP_TASKS[task]
     if task == "language_model":
-        _write_text_corpus(run_dir / "corpus")
+        write_text_corpus(run_dir / "corpus")
     # Forked from this process (ddp_fork: Lightning's DDP strategy with the fork launcher), so no process imports
     # the suite again; FSDP's test runs `moh` as its own processes, re-launched from the command line.
     main(["fit", "--config", f"{config}.yaml", "--trainer.strategy=ddp_fork", "--trainer.devices=2",
@@ -151,14 +115,14 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     checkpoint = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 3
     assert all(torch.isfinite(v.float()).all() for v in checkpoint["state_dict"].values())
-    losses = _logged_scalars(run, "train/loss")
+    losses = logged_scalars(run, "train/loss")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
-    assert all(math.isfinite(v) for v in _logged_scalars(run, "val/loss"))
+    assert all(math.isfinite(v) for v in logged_scalars(run, "val/loss"))
 
 
 def _text_data(folder: Path):
     from moh_lightning.data.text import TextDataModule, TextSource
-    _write_text_corpus(folder / "corpus")
+    write_text_corpus(folder / "corpus")
     return TextDataModule(sources=[TextSource(path=str(folder / "corpus"), val_fraction=0.2)], seq_len=32,
                           batch_size=2, cache_dir=str(folder / "cache"))
 

@@ -16,16 +16,11 @@ loss and bit for bit in its final weights.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -33,148 +28,37 @@ import pytest
 import torch
 import yaml
 from conftest import ctrl_c_restored, pythonpath, run_checkpoints
-from faults import CrashAtStep, CrashInValidation, wait_until_the_stop_is_heard
-from lightning.pytorch import Callback
+from exact_runs import (
+    RUN,
+    VIT,
+    VIT_STEPS,
+    SigtermInValidation,
+    assert_same_run,
+    checkpoints,
+    fit,
+    load_checkpoint,
+    working_folder,
+)
+from faults import CrashAtStep, CrashInValidation, scramble, truncate, wait_until_the_stop_is_heard
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.loggers import Logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_checkpoint_files import _load, _scramble, _truncate
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-from moh_lightning.callbacks import StepCheckpoint
+from moh_lightning.callbacks import ExactResumeCallback, StepCheckpoint
 from moh_lightning.checkpoint_io import AtomicCheckpointIO
-from moh_lightning.cli import main
 from moh_lightning.configs import resolve_config
 from moh_lightning.trainer_cli import MoHLightningCLI
 
 pytestmark = pytest.mark.slow
 
 
-@contextmanager
-def _working_folder(folder: Path) -> Iterator[None]:
-    folder.mkdir(exist_ok=True)
-    previous = Path.cwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
-# 1. The ViT runs ----------------------------------------------------------------------------------------------------
-
-VIT_STEPS = 7
-VIT = ["--config", "vit_tiny_mnist_75.yaml", f"--trainer.max_steps={VIT_STEPS}", "--trainer.limit_train_batches=5",
-       "--trainer.limit_val_batches=0", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
-       "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-       "--model.init_args.arch.depth=1", "--data.init_args.batch_size=16", "--data.init_args.num_workers=2",
-       "--data.init_args.auto_augment=rand-m5-mstd0.5-inc1", "--data.init_args.re_prob=0.25",
-       "--model.init_args.mixup_alpha=0.2", "--model.init_args.mixup_prob=0.5",
-       "--checkpoint.every_n_train_steps=3", "--trainer.callbacks+=test_exact_resume.RecordBatches"]
-RUN = Path("runs") / "vit_tiny_mnist_75"
-MOH = str(Path(sys.executable).with_name("moh"))
-
-
-class RecordBatches(Callback):
-    """Appends each training step's batch (a hash of its images and labels) to ``batches.jsonl`` in the working dir."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.is_global_zero:
-            digest = hashlib.sha256(batch[0].numpy().tobytes() + batch[1].numpy().tobytes()).hexdigest()
-            with open("batches.jsonl", "a") as file:
-                file.write(json.dumps({"step": trainer.global_step, "batch": digest}) + "\n")
-
-
-class SignalWindow(Callback):
-    """Writes ``in_step_4`` when step 4 starts and lingers there, up to 30 s, until the run's watchdog has heard a
-    signal sent from outside."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == 3:
-            Path("in_step_4").touch()
-            wait_until_the_stop_is_heard(trainer, seconds=30)
-
-
-class SigtermInValidation(Callback):
-    """Sends its own process SIGTERM in the validation after step ``step``: after its first batch (``at="batch"``:
-    Lightning stops it there) or once it has ended (``"end"``: Lightning has counted the step for its loggers), and
-    waits until the watchdog thread has heard it, which would otherwise happen at any point after.
-
-    Every validation batch also draws from the global random streams, as DiT's validation (noise, timesteps) does.
-    """
-
-    def __init__(self, step: int, at: str = "batch") -> None:
-        self.step, self.at = step, at
-
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0):
-        torch.rand(3), random.random(), np.random.rand()
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
-        if self.at == "batch" and batch_idx == 0:
-            self._stop(trainer)
-
-    def on_validation_end(self, trainer, pl_module):
-        if self.at == "end":
-            self._stop(trainer)
-
-    def _stop(self, trainer) -> None:
-        if trainer.global_step == self.step and not trainer.sanity_checking:
-            os.kill(os.getpid(), signal.SIGTERM)
-            wait_until_the_stop_is_heard(trainer, seconds=10)
-
-
-class KillAtStep(Callback):
-    """SIGKILLs its own process before training step ``step``, on every rank: a machine lost mid-epoch."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _batches(folder: Path) -> dict[int, str]:
-    """The batch of each step; a resumed run's record of a step overrides the stopped run's (they must agree)."""
-    seen: dict[int, str] = {}
-    for line in (folder / "batches.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        assert seen.get(record["step"], record["batch"]) == record["batch"], f"step {record['step']} redone otherwise"
-        seen[record["step"]] = record["batch"]
-    return seen
-
-
-def _losses(folder: Path, run: Path = RUN) -> dict[int, float]:
-    values = {}
-    for version in sorted((folder / run).glob("version_*")):
-        events = EventAccumulator(str(version), size_guidance={"scalars": 0}).Reload()
-        if "train/loss" in events.Tags()["scalars"]:
-            values.update({event.step: event.value for event in events.Scalars("train/loss")})
-    return values
-
-
-def _checkpoints(folder: Path, run: Path = RUN) -> Path:
-    return folder / run / "version_0" / "checkpoints"
-
-
-def _assert_same_run(expected: Path, actual: Path, run: Path = RUN) -> None:
-    """The same batch at every step, the same logged losses and bit-identical final weights."""
-    assert _batches(actual) == _batches(expected) and sorted(_batches(expected)) == list(range(VIT_STEPS))
-    assert _losses(actual, run) == _losses(expected, run) and len(_losses(expected, run)) == VIT_STEPS
-    want, got = _load(_checkpoints(expected, run) / "last.ckpt"), _load(_checkpoints(actual, run) / "last.ckpt")
-    assert got["global_step"] == want["global_step"] == VIT_STEPS
-    assert want["state_dict"].keys() == got["state_dict"].keys()
-    for name, value in want["state_dict"].items():
-        assert torch.equal(got["state_dict"][name], value), name
-
-
-def _fit(folder: Path, *args: str, base: list[str] = VIT) -> None:
-    with _working_folder(folder):
-        main(["fit", *base, *args])
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("vit") / "uninterrupted"
-    _fit(folder)
+    fit(folder)
     return folder
 
 
@@ -183,17 +67,17 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_moh_fit_resumes_past_a_truncated_last_and_a_corrupt_step_checkpoint_exactly(uninterrupted, tmp_path):
     folder = tmp_path / "corrupt"
     with pytest.raises(RuntimeError, match="injected crash at step 6"):
-        _fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=6")
-    checkpoints = _checkpoints(folder)
-    _truncate(checkpoints / "last.ckpt")  # a copy cut short
-    _scramble(checkpoints / "step=0000006.ckpt")  # a damaged archive
+        fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=6")
+    saved = checkpoints(folder)
+    truncate(saved / "last.ckpt")  # a copy cut short
+    scramble(saved / "step=0000006.ckpt")  # a damaged archive
     with pytest.warns(UserWarning) as warned:
-        _fit(folder, "--ckpt_path", "last")
+        fit(folder, "--ckpt_path", "last")
     moved = [str(w.message) for w in warned if "does not load" in str(w.message)]
     assert len(moved) == 2 and "last.ckpt" in moved[0] and "step=0000006.ckpt" in moved[1]
     assert "resuming from the next newest" in moved[1] and moved[1].endswith("step=0000003.ckpt.")
-    assert len(list(checkpoints.glob("*.corrupt-*"))) == 2
-    _assert_same_run(uninterrupted, folder)
+    assert len(list(saved.glob("*.corrupt-*"))) == 2
+    assert_same_run(uninterrupted, folder)
 
 
 # Exact resume with loader workers
@@ -202,14 +86,14 @@ def test_resume_mid_epoch_with_two_loader_workers_draws_the_same_augmented_batch
     folder = tmp_path / "workers"
     keep = "--checkpoint.keep=1"  # the newest step checkpoint only, plus last.ckpt
     with pytest.raises(RuntimeError, match="injected crash at step 5"):
-        _fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=5", keep)
-    checkpoints = _checkpoints(folder)
-    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
-    _fit(folder, "--ckpt_path", "last", keep)  # from step 3, mid-epoch 0, with each worker's random states
+        fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=5", keep)
+    saved = checkpoints(folder)
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
+    fit(folder, "--ckpt_path", "last", keep)  # from step 3, mid-epoch 0, with each worker's random states
     # keep=1 newest step checkpoint (step 6 replaced step 3, across the resume), and last.ckpt written at the end of
     # fit (step 7 is not a multiple of 3)
-    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
-    _assert_same_run(uninterrupted, folder)
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
+    assert_same_run(uninterrupted, folder)
 
 
 def test_dit_latent_flips_drawn_in_workers_resume_where_the_loader_stopped():
@@ -248,7 +132,7 @@ DDP = ["--trainer.strategy=ddp_fork", "--trainer.devices=2", "--trainer.accelera
 @pytest.fixture(scope="module")
 def ddp_uninterrupted(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("vit_ddp") / "uninterrupted"
-    _fit(folder, *DDP)
+    fit(folder, *DDP)
     return folder
 
 
@@ -256,10 +140,10 @@ def test_ddp_run_killed_mid_epoch_resumes_to_the_same_weights_as_the_uninterrupt
                                                                                              tmp_path):
     folder = tmp_path / "killed"
     with pytest.raises(Exception, match="terminated with signal SIGKILL"):
-        _fit(folder, *DDP, "--trainer.callbacks+=test_exact_resume.KillAtStep", "--trainer.callbacks.step=5")
-    assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 3
-    _fit(folder, *DDP, "--ckpt_path", "last")
-    _assert_same_run(ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
+        fit(folder, *DDP, "--trainer.callbacks+=exact_runs.KillAtStep", "--trainer.callbacks.step=5")
+    assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 3
+    fit(folder, *DDP, "--ckpt_path", "last")
+    assert_same_run(ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
 
 
 # The DiT default shrunk the same way (2 blocks of width 64, 8 digits a batch; without its EMA and sample grids).
@@ -269,19 +153,22 @@ DDP_DIT = ["--config", "dit_mnist_90.yaml", f"--trainer.max_steps={VIT_STEPS}", 
            "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
            "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
            "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8", "--checkpoint.every_n_train_steps=3",
-           "--trainer.callbacks+=test_exact_resume.RecordBatches", *DDP]
+           "--trainer.callbacks+=exact_runs.RecordBatches", *DDP]
 
 
 def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
-    _fit(tmp_path / "uninterrupted", base=DDP_DIT)
+    fit(tmp_path / "uninterrupted", base=DDP_DIT)
     folder = tmp_path / "killed"
     with pytest.raises(Exception, match="terminated with signal SIGKILL"):
-        _fit(folder, "--trainer.callbacks+=test_exact_resume.KillAtStep", "--trainer.callbacks.step=5", base=DDP_DIT)
-    _fit(folder, "--ckpt_path", "last", base=DDP_DIT)
-    _assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_75")
+        fit(folder, "--trainer.callbacks+=exact_runs.KillAtStep", "--trainer.callbacks.step=5", base=DDP_DIT)
+    fit(folder, "--ckpt_path", "last", base=DDP_DIT)
+    assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_75")
 
 
 # SIGTERM
+
+MOH = str(Path(sys.executable).with_name("moh"))
+
 
 def _moh(folder: Path, *args: str) -> subprocess.Popen:
     folder.mkdir(exist_ok=True)
@@ -290,45 +177,129 @@ def _moh(folder: Path, *args: str) -> subprocess.Popen:
                             stderr=open(folder / "err.txt", "w"), start_new_session=True, preexec_fn=ctrl_c_restored)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda stop: stop.name)
-def test_a_stop_signal_saves_at_the_step_boundary_exits_non_zero_and_resumes_exactly(stop, uninterrupted, tmp_path):
-    """SIGTERM as `kill`, a container stop or a cloud preemption sends it (to `moh`); Ctrl-C's SIGINT as a terminal
-    sends it, to every process of the run: the loader workers leave it to their process, which stops after the step.
-    Before, Ctrl-C ended the run with Lightning's "Detected KeyboardInterrupt", exit code 1 and no checkpoint."""
-    folder = tmp_path / stop.name
-    run = _moh(folder, "--trainer.callbacks+=test_exact_resume.SignalWindow")
+def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_exactly(uninterrupted, tmp_path):
+    """Ctrl-C's SIGINT as a terminal sends it, to every process of the run: the loader workers leave it to their
+    process, which stops after the step. Before, Ctrl-C ended the run with Lightning's "Detected KeyboardInterrupt",
+    exit code 1 and no checkpoint. (Only a process group shows this; SIGTERM's hook is tested in this process below.)"""
+    folder = tmp_path / "SIGINT"
+    run = _moh(folder, "--trainer.callbacks+=exact_runs.SignalWindow")
     deadline = time.monotonic() + 300
     while not (folder / "in_step_4").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    if stop == signal.SIGTERM:
-        run.send_signal(stop)  # inside step 4
-    else:
-        os.killpg(run.pid, stop)
-    assert run.wait(timeout=120) == 128 + stop and StepCheckpoint.EXIT_CODE == 143
+    os.killpg(run.pid, signal.SIGINT)  # inside step 4
+    assert run.wait(timeout=120) == 128 + signal.SIGINT
     lines = (folder / "err.txt").read_text().splitlines()
     assert [line for line in lines if line.startswith("moh: ")] == [
-        f"moh: stopped by {stop.name} after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
+        f"moh: stopped by SIGINT after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
         f"Continue with the same command and --ckpt_path last."], lines[-20:]
     # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
-    assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 4
-    _fit(folder, "--ckpt_path", "last")
-    _assert_same_run(uninterrupted, folder)
+    assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 4
+    fit(folder, "--ckpt_path", "last")
+    assert_same_run(uninterrupted, folder)
 
 
-@pytest.mark.parametrize("at", ["batch", "end"])
-def test_sigterm_during_a_validation_saves_the_step_before_it_and_resumes_exactly(at, uninterrupted, tmp_path):
-    """Heard in the validation's first batch, or after its last (before, a resumed run then logged every later step
-    one step late: the checkpoint held Lightning's count of logged steps after this step's)."""
-    folder = tmp_path / "sigterm_in_validation"
-    validation = ["--trainer.limit_val_batches=2", "--trainer.val_check_interval=2",
-                  "--trainer.check_val_every_n_epoch=null"]
-    with pytest.raises(SystemExit) as stop:
-        _fit(folder, *validation, "--trainer.callbacks+=test_exact_resume.SigtermInValidation",
-             "--trainer.callbacks.step=4", f"--trainer.callbacks.at={at}")
-    assert stop.value.code == 143
-    assert _load(_checkpoints(folder) / "last.ckpt")["global_step"] == 4
-    _fit(folder, *validation, "--ckpt_path", "last")
-    _assert_same_run(uninterrupted, folder)
+class _Noisy(LightningModule):
+    """A regression on shuffled batches that draws noise in every training and validation step, as DiT's steps do:
+    a resumed run that restored the wrong random states or loader position, or logs under the wrong step, differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return (self.layer(x + 0.1 * torch.randn_like(x)) - y).pow(2).mean()
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch))
+
+    def _loader(self, shuffle: bool) -> StatefulDataLoader:
+        data = torch.Generator().manual_seed(1)
+        return StatefulDataLoader(TensorDataset(torch.randn(20, 4, generator=data), torch.randn(20, 1, generator=data)),
+                                  batch_size=4, shuffle=shuffle)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        return self._loader(shuffle=True)
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        return self._loader(shuffle=False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Logged(Logger):
+    """Every metric logged, under the step Lightning logged it at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, str, float]] = []
+
+    name, version = "logged", 0
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.rows += [(step, key, float(value)) for key, value in metrics.items() if key.endswith("loss")]
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+
+class _SigtermInStep(Callback):
+    """Sends its own process SIGTERM as training step ``step`` + 1 starts, and waits until it has been heard."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_until_the_stop_is_heard(trainer, seconds=10)
+
+
+def _noisy_fit(folder: Path, logged: _Logged, *callbacks: Callback, ckpt_path: str | None = None) -> Trainer:
+    trainer = Trainer(max_steps=VIT_STEPS, logger=logged, log_every_n_steps=1, val_check_interval=2,
+                      check_val_every_n_epoch=None, limit_val_batches=2, enable_progress_bar=False,
+                      enable_model_summary=False, deterministic=True, plugins=[AtomicCheckpointIO()],
+                      callbacks=[StepCheckpoint(str(folder), every_n_train_steps=3), ExactResumeCallback(), *callbacks])
+    trainer.fit(_Noisy(), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize("where", ["step", "batch", "end"])
+def test_sigterm_in_a_step_or_a_validation_saves_that_step_exits_143_and_resumes_exactly(where, tmp_path, capfd):
+    """SIGTERM as `kill`, a container stop or a cloud preemption sends it, inside step 5, or in the validation after
+    step 4: heard in its first batch, or after its last (before, a resumed run then logged every later step one step
+    late: the checkpoint held Lightning's count of logged steps after this step's). StepCheckpoint's hook saves that
+    step, says so in one line and exits 143; ``--ckpt_path last`` then continues as the uninterrupted run."""
+    expected = _Logged()
+    reference = _noisy_fit(tmp_path / "uninterrupted", expected)
+    folder, stopped, resumed = tmp_path / "stopped", _Logged(), _Logged()
+    stop = _SigtermInStep(5) if where == "step" else SigtermInValidation(4, at=where)
+    with pytest.raises(SystemExit) as exit_info:
+        _noisy_fit(folder, stopped, stop)
+    saved = 5 if where == "step" else 4
+    assert exit_info.value.code == StepCheckpoint.EXIT_CODE == 143
+    assert [line for line in capfd.readouterr().err.splitlines() if line.startswith("moh: ")] == [
+        f"moh: stopped by SIGTERM after step {saved}; saved {folder / 'last.ckpt'}. Continue with the same command "
+        f"and --ckpt_path last."]
+    # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
+    assert load_checkpoint(folder / "last.ckpt")["global_step"] == saved
+    trainer = _noisy_fit(folder, resumed, ckpt_path=str(folder / "last.ckpt"))
+    assert trainer.global_step == reference.global_step == VIT_STEPS
+    _assert_same_tensors(reference.lightning_module.state_dict(), trainer.lightning_module.state_dict())
+    # Every training loss logged once, at its own step, with the uninterrupted run's value; the validations after the
+    # resume as the uninterrupted run's.
+    train = [row for row in stopped.rows + resumed.rows if row[1] == "train/loss"]
+    assert sorted(train) == sorted(row for row in expected.rows if row[1] == "train/loss")
+    assert len(train) == VIT_STEPS
+    assert [row for row in resumed.rows if row[1] == "val/loss"] == \
+        [row for row in expected.rows if row[1] == "val/loss" and row[0] >= saved]
 
 
 # 2. The DiT and LM runs ---------------------------------------------------------------------------------------------
@@ -379,7 +350,7 @@ def _fit_with(folder: Path, args: list[str], callbacks: list[dict], *extra: Call
               ckpt_path: str | None = None) -> MoHLightningCLI:
     """One `moh fit` of ``args`` with ``callbacks`` instead of the config's (besides the always-on ones), in
     ``folder``."""
-    with _working_folder(folder):
+    with working_folder(folder):
         Path("callbacks.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks},
                                                           "checkpoint": CHECKPOINT}))
         resume = [f"--ckpt_path={ckpt_path}"] if ckpt_path else []

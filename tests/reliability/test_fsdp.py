@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from conftest import pythonpath
 from cpu_fsdp import CPUFSDPStrategy
+from ddp_cases import DDP_TASKS, logged_scalars, write_text_corpus
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
-from test_distributed import DDP_TASKS, _logged_scalars, _write_text_corpus
 from timm.optim import param_groups_weight_decay
 from tiny_models import dit_t4_config, tiny_llama_config
 from torch import nn
@@ -109,7 +109,7 @@ def test_weight_decay_by_layer_type_equals_the_shape_rules_on_unsharded_models()
 def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(task, run_dir):
     task_class, config, overrides = FSDP_TASKS[task]
     if task == "language_model":
-        _write_text_corpus(run_dir / "corpus")
+        write_text_corpus(run_dir / "corpus")
     result = _moh_fit(run_dir, config, [*overrides, f"--trainer.gradient_clip_val={CLIP}",
                                         "--trainer.callbacks+=test_fsdp.FSDPProbe", "--throughput.window_size=2"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -138,13 +138,13 @@ def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(t
         assert sum(decay) == 0
 
     run = next(run_dir.rglob("version_0"))  # the config's TensorBoard run
-    losses = _logged_scalars(run, "train/loss")
+    losses = logged_scalars(run, "train/loss")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
-    assert all(math.isfinite(v) for v in _logged_scalars(run, "val/loss"))
+    assert all(math.isfinite(v) for v in logged_scalars(run, "val/loss"))
     # The throughput meter counts a sample's FLOPs through the FSDP root on every rank: the same count as the
     # unsharded model's on one process (before, under FSDP it counted none, and logged no FLOP/s nor MFU).
-    flops = _logged_scalars(run, "throughput/flops_per_sec_dense")
-    samples = _logged_scalars(run, "throughput/samples_per_sec")
+    flops = logged_scalars(run, "throughput/flops_per_sec_dense")
+    samples = logged_scalars(run, "throughput/samples_per_sec")
     assert len(flops) == 2 and [f / n for f, n in zip(flops, samples, strict=True)] == \
         pytest.approx([sample_flops(loaded).dense] * 2, rel=1e-4)
 

@@ -22,16 +22,16 @@ from types import SimpleNamespace
 import psutil
 import pytest
 from conftest import pythonpath
+from exact_runs import RUN, VIT, assert_same_run, load_checkpoint
 from lightning.pytorch.strategies import DDPStrategy
-from test_checkpoint_files import _load
-from test_exact_resume import RUN, VIT, _assert_same_run
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
 from moh_lightning.callbacks import RunShutdown, run_store, watchdog
 from moh_lightning.lightning_compat import collective_timeout
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+# The `moh fit` runs are marked distributed one by one; the unit tests of the watchdog and the store below are not.
+DISTRIBUTED = pytest.mark.distributed
 
 FORKED = ["--trainer.strategy=ddp_fork", "--trainer.devices=2", "--trainer.accelerator=cpu"]
 HANG = ["--trainer.callbacks+=faults.HangAtStep", "--trainer.callbacks.step=4"]
@@ -100,6 +100,7 @@ def _said(folder: Path, n: int = 0) -> list[str]:
     return [line for line in (folder / f"err{n}.txt").read_text().splitlines() if line.startswith("moh: ")]
 
 
+@DISTRIBUTED
 def test_sigterm_to_forked_ranks_saves_at_the_step_boundary_and_ends_them_all(runs, tmp_path):
     """The step ends within the grace period (rank 0 lingers 2 s in step 5): both ranks save there and stop. Before,
     `moh` (the launching process, where Lightning handles no signal) ended at once without a word, and its ranks
@@ -110,10 +111,11 @@ def test_sigterm_to_forked_ranks_saves_at_the_step_boundary_and_ends_them_all(ru
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 143
     assert _said(tmp_path) == [f"moh: stopped by SIGTERM after step 5; saved {LAST}. {AGAIN}"]
-    assert _load(tmp_path / LAST)["global_step"] == 5
+    assert load_checkpoint(tmp_path / LAST)["global_step"] == 5
     runs.assert_none_left()
 
 
+@DISTRIBUTED
 @pytest.mark.parametrize("signals", [1, 2])
 def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, tmp_path):
     """One SIGTERM: no step ends, so after the grace period every rank and loader worker is ended; a second SIGTERM
@@ -136,9 +138,10 @@ def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, t
                                f"the newest checkpoint is {LAST} (step 3). {AGAIN}"]
     assert (grace <= took < grace + 15) if signals == 1 else took < 15, took
     runs.assert_none_left()
-    assert _load(tmp_path / LAST)["global_step"] == 3
+    assert load_checkpoint(tmp_path / LAST)["global_step"] == 3
 
 
+@DISTRIBUTED
 def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_path):
     timeout = 10
     run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.collective_timeout={timeout}", "--shutdown.grace_period=5")
@@ -171,6 +174,7 @@ def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
                        env={**address, "NODE_RANK": str(node)}) for node in (0, 1)]
 
 
+@DISTRIBUTED
 def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_path):
     expected = tmp_path / "uninterrupted"
     for n, node in enumerate(_two_nodes(runs, expected)):
@@ -197,7 +201,7 @@ def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_p
     for n, node in enumerate(_two_nodes(runs, folder, "--ckpt_path", "last"), start=2):
         code, err = _exit_code(node, folder, n, timeout=600)
         assert code == 0, err
-    _assert_same_run(expected, folder)
+    assert_same_run(expected, folder)
     assert f"Restoring states from the checkpoint path at {LAST}" in (folder / "err2.txt").read_text()
     runs.assert_none_left()
 

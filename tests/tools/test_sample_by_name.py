@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,10 @@ import torch
 from conftest import run_checkpoints
 
 from moh_lightning.cli import main
+from moh_lightning.configs import resolve_config
 from moh_lightning.data.digits import DIGIT_WORDS, write_digits_folder
+from moh_lightning.layers import activated_head_fraction
+from moh_lightning.trainer_cli import MoHLightningCLI
 
 FEW_STEPS = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
              "--trainer.enable_progress_bar", "false", "--trainer.callbacks+=null"]
@@ -65,11 +69,15 @@ def test_sample_by_name_writes_named_files(dit_checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_vit_folder_config_trains_on_a_flat_folder(tmp_path, monkeypatch):
+def test_vit_folder_config_trains_on_a_flat_folder_with_its_classes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_digits_folder(tmp_path / "digits", size=32, flat=True)
-    main(["fit", "--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", "digits",
-          "--trainer.fast_dev_run", "1"])
+    cli = MoHLightningCLI(args=["fit", "--config", resolve_config("vit_tiny_folder_digits_75.yaml"),
+                                "--data.init_args.data_dir", "digits", "--trainer.fast_dev_run", "1"])
+    assert cli.trainer.global_step == 1 and math.isfinite(cli.trainer.callback_metrics["train/loss"])
+    assert cli.datamodule.class_names == sorted(DIGIT_WORDS)  # the folder names, sorted, are the classes
+    assert cli.model.model.num_classes == 10 and cli.model.model.patch_embed.proj.in_channels == 1  # from the data
+    assert activated_head_fraction(cli.model) == pytest.approx(0.75, abs=0.01)  # the budget in the config's name
 
 
 def test_the_grid_has_a_row_per_class_in_the_order_asked(tmp_path):

@@ -10,7 +10,6 @@ The table's statistics and the trial names are checked without Ray.
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -29,42 +28,19 @@ import torch
 import yaml
 from conftest import ctrl_c_restored
 from ray.tune import Callback
+from sweep_cases import FIT_CONFIG, read_csv, run_state, tiny_overlay
 
 from moh_lightning import cli
 from moh_lightning.sweep import ray_tune
 from moh_lightning.sweep.grid import baseline_index, cli_value, grid_cells, trial_names
 from moh_lightning.sweep.report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
 
-pytestmark = pytest.mark.server
+# Ray clusters run one at a time (one worker under pytest-xdist), as they did in one process; the unit tests of the
+# statistics, names and report below start none.
+RAY = pytest.mark.xdist_group("ray")
 
-# The only place naming `moh fit` config keys: the shipped embedded LM config, made tiny by one overlay. When keys
-# are renamed, update them here (see `moh fit --config llm_stdlib_75.yaml --print_config`).
-FIT_CONFIG = "llm_stdlib_75.yaml"
 GRID = {"model.init_args.lr": [2e-3, 1e-2]}
 SEEDS = [0, 1]
-
-
-def tiny_overlay(tmp: Path) -> dict:
-    sources = tmp / "src"
-    sources.mkdir()
-    for i in range(6):  # ~2 kB of Python per file; a third of the files are held out for validation
-        (sources / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {(i * 37 + j) % 97} + {j}\n\n"
-                                                  for j in range(60)))
-    return {
-        "trainer": {"val_check_interval": 5, "log_every_n_steps": 1, "enable_progress_bar": False,
-                    "enable_model_summary": False},
-        "checkpoint": {"every_n_train_steps": 5},
-        "head_load": {"log_every_n_steps": 1},
-        "model": {"init_args": {
-            "arch": {"depth": 1, "embed_dim": 32, "num_heads": 4, "head_dim": 8, "intermediate_size": 64,
-                     "block_size": 32, "moh": {"num_shared_heads": 2, "top_k": 1}},
-            "warmup_steps": 2,
-            "max_tokens": 5 * 4 * 32,  # 5 steps of 4 x 32 tokens
-        }},
-        "data": {"init_args": {"sources": [{"path": str(sources), "pattern": "*.py", "val_fraction": 0.35}],
-                               "cache_dir": str(tmp / "token_cache"), "seq_len": 32, "batch_size": 4,
-                               "val_samples": 8}},
-    }
 
 
 INTERRUPT = "MOH_TEST_INTERRUPT_SWEEP"
@@ -93,11 +69,6 @@ class InterruptAfterFirstTrial(Callback):
             raise Interrupted("the test interrupts the sweep")
 
 
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def ray_processes(before: set[int]) -> list[str]:
     """The test process's live children that the sweep started (``before``: those earlier tests left, e.g. wandb's)."""
     time.sleep(0.5)
@@ -110,12 +81,8 @@ def ray_processes(before: set[int]) -> list[str]:
         time.sleep(0.5)
 
 
-def run_state(run: Path) -> dict:
-    """What a trial's run folder holds: its version folders and each file's modification time."""
-    return {"versions": sorted(p.name for p in run.glob("version_*")),
-            "files": {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}}
-
-
+@pytest.mark.server
+@RAY
 def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # run_dir: tmp, and the working folder, so nothing a trial writes lands in the checkout.
     overlay = run_dir / "tiny.yaml"
@@ -192,6 +159,8 @@ def _checkpoints(run: Path) -> list[Path]:
     return [path for path in run.glob("version_*/checkpoints/*.ckpt") if path.name != "last.ckpt"]
 
 
+@pytest.mark.server
+@RAY
 def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly_leaving_nothing_outside(tmp_path: Path):
     # Two trials that train the same (the grid's key only changes how many checkpoints are kept), in a fresh HOME
     # and TMPDIR; Ctrl-C (SIGINT to the sweep's process group) during the second.

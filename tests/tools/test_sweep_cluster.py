@@ -32,13 +32,13 @@ import ray
 import yaml
 from conftest import pythonpath
 from lightning.pytorch import Callback
+from sweep_cases import FIT_CONFIG, read_csv, run_state, tiny_overlay
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_sweep import FIT_CONFIG, read_csv, run_state, tiny_overlay
 
 from moh_lightning import cli
 from moh_lightning.sweep.ray_tune import DONE_FILE
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (test_sweep.py)
 
 RAY = Path(sys.executable).with_name("ray")
 # Loopback, yet an address of its own, so the nodes' IPs differ (Ray takes the head's 127.0.0.1 as the host's address).

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import ctrl_c_restored
-from test_sweep import read_csv
+from sweep_cases import read_csv
 
 from moh_lightning import cli
 
@@ -95,6 +95,7 @@ def local_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.server
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time (test_sweep.py)
 def test_a_local_sweep_listens_on_loopback_only_and_keeps_its_folders_to_itself(local_sweep: dict) -> None:
     listening = sorted(local_sweep["listening"])
     print("listening during the sweep:", *(f"{ip}:{port} {name}" for name, ip, port in listening), sep="\n  ")
@@ -116,6 +117,7 @@ def test_a_local_sweep_listens_on_loopback_only_and_keeps_its_folders_to_itself(
 
 @pytest.mark.slow
 @pytest.mark.server
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time (test_sweep.py)
 def test_a_sweep_with_a_failed_trial_exits_non_zero_in_one_line_and_its_report_names_the_cause(
         local_sweep: dict) -> None:
     out, stderr = local_sweep["out"], local_sweep["stderr"]

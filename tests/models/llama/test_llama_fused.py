@@ -223,8 +223,10 @@ def test_bf16_autocast_training_loss_and_gradients():
 def test_kernels_under_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this process is the interpreter's")
-    result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m",
-                             "not slow"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    # -n 0: in that one process (pyproject's addopts would start pytest-xdist workers of its own).
+    result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0",
+                             "-m", "not slow"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
 
 
