@@ -222,3 +222,15 @@ def test_every_package_and_shipped_config_is_in_the_wheel():
                and "__pycache__" not in p.parts}
     assert shipped == {p for p in shipped if any(p.match(pattern) and len(p.parts) == len(Path(pattern).parts)
                                                  for pattern in patterns)}
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in conftest.py or a helpers module: importing a test module runs its collection-time
+    code twice and ties one file's tests to another's internals."""
+    tests = Path(__file__).resolve().parent
+    for path in [*tests.rglob("test_*.py"), *(tests.parent / "benchmarks" / "tests").rglob("test_*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.rsplit(".", 1)[-1].startswith("test_") for name in names), (
+                f"{path.relative_to(tests.parent)} imports a test module ({names}); share through a helpers module")

@@ -9,14 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from dashboard_cases import ROUTED_HEADS, TinyTask, fit_tiny
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from moh_lightning.callbacks import HeadLoadCallback
 from moh_lightning.callbacks.head_load import run_hparams
 from moh_lightning.callbacks.head_load.loads import GroupLoad, HeadLoadSnapshot, LayerLoad, load_entropy
 from moh_lightning.callbacks.head_load.render import group_card, layer_card
@@ -24,73 +21,7 @@ from moh_lightning.cli import main
 from moh_lightning.layers import MoHAttention
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.dit import DiTConfig
-from moh_lightning.tasks.base import MoHTask
 from moh_lightning.tasks.diffusion import ClassConditionalDiffusion
-
-ROUTED_HEADS = [1, 2, 3]   # layer 0 of TinyTask: 1 shared + top-2 of 3 routed; layer 1: 4 shared heads, no routing
-
-
-class TinyTask(MoHTask):
-    """Two MoH layers over random tokens of 3 classes; with ``timesteps`` it draws a diffusion timestep per sample."""
-
-    head_load_group_name = "class"
-
-    def __init__(self, dense: bool = False, timesteps: bool = False, starve: bool = False) -> None:
-        super().__init__(load_balance_beta=0.01)
-        torch.manual_seed(0)
-        if dense:
-            layers = [MoHAttention(16, num_heads=4, dense=True) for _ in range(2)]
-        else:
-            layers = [MoHAttention(16, num_heads=4, num_shared_heads=1, top_k=2 if not starve else 1),
-                      MoHAttention(16, num_heads=4, num_shared_heads=4, top_k=0)]
-        self.model = nn.Sequential(*layers)
-        if starve:  # positive tokens and a fixed router that always ranks routed head 1 first: heads 2 and 3 starve
-            with torch.no_grad():
-                layers[0].router.routed_router.weight.copy_(torch.tensor([1.0, 0.5, -1.0])[:, None].expand(3, 16))
-        self.timesteps = timesteps
-        self.starve = starve
-        self.last_timesteps = None
-
-    def head_load_groups(self, batch):
-        return batch[1]
-
-    def training_step(self, batch, batch_idx):
-        return self.with_load_balance(self.model(batch[0]).pow(2).mean())
-
-    def validation_step(self, batch, batch_idx):
-        if self.timesteps:
-            self.last_timesteps = torch.randint(0, 1000, (len(batch[0]),))
-        self.log("val/loss", self.model(batch[0]).pow(2).mean())
-
-    def test_step(self, batch, batch_idx):
-        self.log("test/loss", self.model(batch[0]).pow(2).mean())
-
-    def _loader(self):
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 5, 16, generator=generator)
-        if self.starve:
-            x = x.abs() + 0.1
-        return DataLoader(TensorDataset(x, torch.arange(32) % 3), batch_size=4)
-
-    def train_dataloader(self):
-        return self._loader()
-
-    def val_dataloader(self):
-        return self._loader()
-
-    def test_dataloader(self):
-        return self._loader()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0 if self.starve else 0.1)
-
-
-def _fit(task: MoHTask, logger, root: Path, max_steps: int = 6, **callback_args) -> Trainer:
-    trainer = Trainer(max_steps=max_steps, log_every_n_steps=2, val_check_interval=3, limit_val_batches=2,
-                      logger=logger, callbacks=[HeadLoadCallback(**callback_args)], default_root_dir=root,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(task)
-    return trainer
 
 
 def _csv_rows(folder: Path) -> list[dict[str, str]]:
@@ -99,7 +30,7 @@ def _csv_rows(folder: Path) -> list[dict[str, str]]:
 
 
 def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(tmp_path):
-    trainer = _fit(TinyTask(timesteps=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
+    trainer = fit_tiny(TinyTask(timesteps=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
     folder = Path(trainer.log_dir) / "head_load"
     for name in ("layers.png", "class_layer_00.png", "timestep_layer_00.png", "loads.json", "loads_history.jsonl",
                  "summary.md", "loads_over_time.png"):
@@ -138,7 +69,7 @@ def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(t
 @pytest.mark.parametrize(("every", "drawn"), [(None, [2, 6]), (2, [2, 6]), (1, [2, 4, 6])])
 def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path, every, drawn):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = _fit(TinyTask(), logger, tmp_path, **({} if every is None else {"images_every_n_windows": every}))
+    trainer = fit_tiny(TinyTask(), logger, tmp_path, **({} if every is None else {"images_every_n_windows": every}))
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = events.Tags()
     assert {"head_load/heatmap_train", "head_load/heatmap_val", "head_load/per_class_layer_00"} <= set(tags["images"])
@@ -173,7 +104,7 @@ def test_hparams_have_one_vocabulary_read_from_the_built_model():
 
 
 def test_dense_model_gets_hparams_and_a_summary_but_no_heatmaps(tmp_path):
-    trainer = _fit(TinyTask(dense=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
+    trainer = fit_tiny(TinyTask(dense=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
     folder = Path(trainer.log_dir) / "head_load"
     assert "No routed head measured (a dense model" in (folder / "summary.md").read_text()
     assert not (folder / "layers.png").exists()
@@ -181,7 +112,7 @@ def test_dense_model_gets_hparams_and_a_summary_but_no_heatmaps(tmp_path):
 
 
 def test_collapse_series_starts_at_the_first_collapse_and_the_summary_names_it(tmp_path):
-    trainer = _fit(TinyTask(starve=True), CSVLogger(tmp_path, name="", version=""), tmp_path, max_steps=8,
+    trainer = fit_tiny(TinyTask(starve=True), CSVLogger(tmp_path, name="", version=""), tmp_path, max_steps=8,
                    collapse_windows=2)
     rows = _csv_rows(Path(trainer.log_dir))
     collapsed = [float(row["head_load/layer_00/collapsed_heads"]) for row in rows
@@ -199,7 +130,7 @@ def test_wandb_offline_run_gets_heatmaps_tables_summary_metrics_and_config(tmp_p
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = WandbLogger(save_dir=tmp_path, offline=True, project="moh-dashboards")
     try:
-        _fit(TinyTask(timesteps=True), logger, tmp_path)
+        fit_tiny(TinyTask(timesteps=True), logger, tmp_path)
         run_dir = Path(logger.experiment.dir).parent
     finally:
         logger.experiment.finish()
@@ -231,7 +162,7 @@ def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, 
     monkeypatch.chdir(tmp_path)  # the store's artifacts go to ./mlruns
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the store MLflow 3 recommends (its file store is refused)
     logger = MLFlowLogger(experiment_name="moh-dashboards", tracking_uri=uri)
-    _fit(TinyTask(timesteps=True), logger, tmp_path)
+    fit_tiny(TinyTask(timesteps=True), logger, tmp_path)
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(logger.run_id)
     assert run.data.params["moh/router"] == "learned" and float(run.data.params["moh/activated_fraction"]) == 0.875
@@ -248,7 +179,7 @@ def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, 
 
 @pytest.mark.slow
 def test_head_figures_renders_pdf_and_png_from_a_run_folder(tmp_path):
-    trainer = _fit(TinyTask(timesteps=True), CSVLogger(tmp_path, name="run", version=0), tmp_path)
+    trainer = fit_tiny(TinyTask(timesteps=True), CSVLogger(tmp_path, name="run", version=0), tmp_path)
     out = tmp_path / "figs"
     main(["head-figures", "--run", str(Path(trainer.log_dir)), "--out", str(out)])
     for stem in ("layers", "class_layer_00", "timestep_layer_00"):
@@ -303,7 +234,7 @@ def test_validation_heatmaps_every_n_validations_and_the_last_at_the_end(tmp_pat
     # once training ends, so the run folder's heatmaps are always the last validation's; loads.json is written at
     # every validation.
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = _fit(TinyTask(), logger, tmp_path, max_steps=14, images_every_n_validations=every)
+    trainer = fit_tiny(TinyTask(), logger, tmp_path, max_steps=14, images_every_n_validations=every)
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0}).Reload()
     for tag in ("head_load/heatmap_val", "head_load/per_class_layer_00"):
         assert [image.step for image in events.Images(tag)] == drawn

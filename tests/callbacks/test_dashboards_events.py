@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dashboard_cases import ROUTED_HEADS, TinyTask, fit_tiny
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -13,7 +14,6 @@ from matplotlib import colormaps
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-from test_dashboards import ROUTED_HEADS, TinyTask, _fit
 
 from moh_lightning.callbacks import HeadLoadCallback, LoggerRuns
 from moh_lightning.callbacks.head_load.loads import HeadLoadSnapshot
@@ -34,7 +34,7 @@ def _steps(events: EventAccumulator, kind: str, tag: str) -> list[int]:
 
 @pytest.mark.parametrize("evaluation", ["validate", "test"])
 def test_an_evaluation_is_logged_at_its_checkpoints_step(tmp_path, evaluation):
-    trainer = _fit(TinyTask(), TensorBoardLogger(tmp_path, name="tb", version=0), tmp_path)
+    trainer = fit_tiny(TinyTask(), TensorBoardLogger(tmp_path, name="tb", version=0), tmp_path)
     checkpoint = tmp_path / "step6.ckpt"
     trainer.save_checkpoint(checkpoint)
     logger = TensorBoardLogger(tmp_path, name="tb", version=evaluation)
@@ -54,7 +54,7 @@ def test_an_evaluation_is_logged_at_its_checkpoints_step(tmp_path, evaluation):
 def test_the_last_training_heatmap_and_histogram_are_the_last_steps(tmp_path):
     # Windows of 2 batches close at steps 2, 4 and 6; the seventh step's batch closes one more when training ends.
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    _fit(TinyTask(), logger, tmp_path, max_steps=7)
+    fit_tiny(TinyTask(), logger, tmp_path, max_steps=7)
     events = _events(logger.log_dir)
     assert _steps(events, "Images", "head_load/heatmap_train") == [2, 7]
     assert _steps(events, "Images", "head_load/over_time_layer_00") == [2, 7]
@@ -64,7 +64,7 @@ def test_the_last_training_heatmap_and_histogram_are_the_last_steps(tmp_path):
 
 def test_each_routed_layer_has_a_histogram_of_its_head_loads_every_window(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    _fit(TinyTask(), logger, tmp_path)
+    fit_tiny(TinyTask(), logger, tmp_path)
     events = _events(logger.log_dir)
     tags = events.Tags()
     # The Histograms and Distributions tabs: routed layer 0 only (layer 1 has 4 shared heads and no router).
@@ -83,7 +83,7 @@ def test_each_routed_layer_has_a_histogram_of_its_head_loads_every_window(tmp_pa
 
 def test_each_routed_head_has_its_own_colour_and_legend_entry_in_the_load_over_time_card(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    _fit(TinyTask(), logger, tmp_path, images_every_n_windows=1)
+    fit_tiny(TinyTask(), logger, tmp_path, images_every_n_windows=1)
     events = _events(logger.log_dir)
     image = events.Images("head_load/over_time_layer_00")[-1]
     card = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")).astype(int)
@@ -105,8 +105,8 @@ def _trial(folder) -> str:
 
 def test_a_moh_run_and_its_dense_baseline_are_told_apart_in_the_hparams_trial_column(tmp_path):
     moh, dense = (TensorBoardLogger(tmp_path, name=name, version=0) for name in ("tiny_75", "tiny_dense"))
-    _fit(TinyTask(), moh, tmp_path)
-    _fit(TinyTask(dense=True), dense, tmp_path)
+    fit_tiny(TinyTask(), moh, tmp_path)
+    fit_tiny(TinyTask(dense=True), dense, tmp_path)
     # The trial column shows ~16 characters: the budget and version come first.
     assert _trial(moh.log_dir) == "88% v0 tiny_75"
     assert _trial(dense.log_dir) == "dense v0 tiny_dense"
