@@ -254,7 +254,12 @@ class LanguageModel(MoHTask):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
-        checkpoint[SCHEDULE_STEPS] = self.total_steps()
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # saved by a trainer it was never attached to (``strategy.connect``): no schedule ran
+            return
+        if trainer.datamodule is not None:
+            checkpoint[SCHEDULE_STEPS] = self.total_steps()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
