@@ -190,6 +190,7 @@ def _forward(task: MoHTask) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", SMALL)
+@pytest.mark.slow
 def test_named_model_forward_and_backward_are_finite(name):
     torch.manual_seed(0)
     task = _task(name).train()

@@ -22,6 +22,7 @@ def _integrations_loaded(code: str, cwd=None) -> list[str]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_importing_the_package_or_moh_help_loads_nothing_and_the_block_no_integration_that_timm_does_not():
     """timm imports W&B where it is installed (``timm.utils``), and a core install has none; the block and the named
     models add nothing to what timm loads. `moh --help` lists the commands without importing torch or any of them."""
@@ -50,6 +51,7 @@ def test_a_vit_fit_loads_no_integration_that_lightning_does_not(tmp_path):
     ("lm_eval", ["lm-eval", "--checkpoint", "x.ckpt", "--tasks", "[arc_easy]"], "lm-eval"),
     ("wandb", ["fit", "--config", "vit_tiny_mnist_75.yaml", "--trainer.logger", "WandbLogger"], "loggers"),
 ])
+@pytest.mark.slow
 def test_a_command_whose_extra_is_missing_names_the_extra_in_one_line(missing, args, extra, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     for name in [m for m in sys.modules if m.startswith(f"{missing}.")]:  # loaded by an earlier test

@@ -111,6 +111,7 @@ def _private_names_read(path: Path) -> set[str]:
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
+@pytest.mark.slow
 def test_no_module_but_the_compat_module_uses_a_private_lightning_or_jsonargparse_name() -> None:
     """A private name Lightning or jsonargparse defines and the suite does not, read anywhere in the package outside
     lightning_compat.py, is a private use that no test would see change."""

@@ -102,6 +102,7 @@ def test_the_wheel_set_check_names_what_is_missing_doubled_unmet_or_for_another_
     ]
 
 
+@pytest.mark.slow
 def test_a_distribution_the_call_imports_but_does_not_carry_is_found():
     """What the dry run's check does with ``wheels.txt``: jsonargparse left out of it is missed."""
     # What a fresh process importing the suite loads (this one has imported whatever earlier tests did).

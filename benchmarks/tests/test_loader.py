@@ -10,6 +10,7 @@ from PIL import Image
 from benchmarks import loader
 
 
+@pytest.mark.slow
 def test_synthetic_jpegs_rows_and_page(run_dir, capsys):
     loader.main(["--quick", "true", "--workers", "[0]", "--output", "out/loader.json"])
     rows = json.loads((run_dir / "out/loader.json").read_text())

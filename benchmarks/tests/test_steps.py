@@ -12,6 +12,7 @@ FIELDS = {"config", "baseline", "device", "compile", "asked_compile", "tokens", 
           "compile_backend", "versions", "moh_graphs", "baseline_graphs", "moh_recompiles", "baseline_recompiles"}
 
 
+@pytest.mark.slow
 def test_steps_rows_are_written_and_replaced_not_repeated(run_dir, capsys, monkeypatch):
     monkeypatch.setattr(steps, "CPU_PAIRS", [("vit_tiny_mnist_75", "vit_tiny_mnist_100", 2, None)])
     for _ in range(2):
@@ -26,6 +27,7 @@ def test_steps_rows_are_written_and_replaced_not_repeated(run_dir, capsys, monke
     assert "ratio" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_row_whose_networks_compiled_no_graph_says_compile_false_and_why(monkeypatch, capsys):
     """The issue's ViT rows: asked compiled, run eagerly, labelled compiled. Here compile_blocks compiles nothing."""
     monkeypatch.setattr(steps, "compile_blocks", lambda model, **kwargs: 0)
@@ -49,6 +51,7 @@ def test_a_network_past_the_recompile_limit_is_not_labelled_compiled():
     assert "hit the recompile limit and ran eagerly" in row["not_compiled"]
 
 
+@pytest.mark.slow
 def test_compiled_rows_count_each_networks_own_graphs_from_a_reset(monkeypatch):
     """Both networks compile graphs of their own (counters cleared between them), and the token count's no-grad pass
     runs before compiling, so it compiles nothing that is not timed."""

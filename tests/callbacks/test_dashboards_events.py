@@ -33,6 +33,7 @@ def _steps(events: EventAccumulator, kind: str, tag: str) -> list[int]:
 
 
 @pytest.mark.parametrize("evaluation", ["validate", "test"])
+@pytest.mark.slow
 def test_an_evaluation_is_logged_at_its_checkpoints_step(tmp_path, evaluation):
     trainer = fit_tiny(TinyTask(), TensorBoardLogger(tmp_path, name="tb", version=0), tmp_path)
     checkpoint = tmp_path / "step6.ckpt"
@@ -62,6 +63,7 @@ def test_the_last_training_heatmap_and_histogram_are_the_last_steps(tmp_path):
     assert _steps(events, "Histograms", "head_load_vs_even/layer_00") == [2, 4, 6, 7]
 
 
+@pytest.mark.slow
 def test_each_routed_layer_has_a_histogram_of_its_head_loads_every_window(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     fit_tiny(TinyTask(), logger, tmp_path)
@@ -81,6 +83,7 @@ def test_each_routed_layer_has_a_histogram_of_its_head_loads_every_window(tmp_pa
         assert histogram.max == pytest.approx(max(loads) / EVEN, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_each_routed_head_has_its_own_colour_and_legend_entry_in_the_load_over_time_card(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     fit_tiny(TinyTask(), logger, tmp_path, images_every_n_windows=1)
@@ -103,6 +106,7 @@ def _trial(folder) -> str:
     return HParamsPluginData.FromString(content).session_start_info.group_name
 
 
+@pytest.mark.slow
 def test_a_moh_run_and_its_dense_baseline_are_told_apart_in_the_hparams_trial_column(tmp_path):
     moh, dense = (TensorBoardLogger(tmp_path, name=name, version=0) for name in ("tiny_75", "tiny_dense"))
     fit_tiny(TinyTask(), moh, tmp_path)

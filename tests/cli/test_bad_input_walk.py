@@ -75,6 +75,7 @@ def test_a_family_that_cannot_take_moh_stops_fit_as_it_stops_convert_hf(run_dir)
     assert reason in converted and converted.partition(reason)[2] == fitted.partition(reason)[2]
 
 
+@pytest.mark.slow
 def test_the_command_itself_prints_one_line_and_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": pythonpath(__file__)}
     done = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main()", "generate",

@@ -49,6 +49,7 @@ def test_the_loops_are_lightning_clis_subcommands():
     assert list(LOOPS) == list(LightningCLI.subcommands())
 
 
+@pytest.mark.slow
 def test_a_command_leaves_no_empty_inductor_folder_in_tmpdir(tmp_path):
     """Importing Lightning makes torch's `$TMPDIR/torchinductor_<user>` even where nothing is compiled."""
     shown = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main(['fit', '--help'])"],

@@ -128,6 +128,7 @@ def test_every_shipped_experiment_is_in_the_snapshot():
 
 
 @pytest.mark.parametrize("name", sorted(MAIN))
+@pytest.mark.slow
 def test_config_builds_what_it_built_before_with_the_head_budget_in_its_name(name):
     """The one build of every shipped experiment (on the meta device): what it builds is the snapshot's, and its
     network uses the share of heads its name says (``<model>_<percent of heads>.yaml``, 100 = the dense baseline)."""

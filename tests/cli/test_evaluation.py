@@ -37,6 +37,7 @@ def _evaluate(subcommand: str, folder, checkpoint: str) -> None:
           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"])
 
 
+@pytest.mark.slow
 def test_test_scores_the_test_folder_beside_the_run(run_dir, write_image_folder):
     write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
     shutil.copytree(run_dir / "data/train/cat", run_dir / "data/test/cat")  # a test split of cats only
@@ -68,6 +69,7 @@ def _one_line(args: list[str]) -> str:
 
 
 @pytest.mark.parametrize("logger", ["tensorboard", "csv"])
+@pytest.mark.slow
 def test_an_evaluation_that_fails_leaves_no_eval_folder(run_dir, write_image_folder, logger):
     """`moh test` of a run's checkpoint on a mistyped data folder, or on a folder without test/: one line each (the
     missing folder named as such), and no eval/test-last folder left behind with only an events file in it."""
@@ -105,6 +107,7 @@ def test_tasks_without_a_test_split_say_so(run_dir):
     assert "ClassConditionalDiffusion has no test split" in message and "moh validate" in message
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_other_shapes_stops_in_one_line_and_another_budget_is_said(run_dir, write_image_folder,
                                                                                    capsys):
     """A sweep's trial trained at 16 pixels, patch 4 and top-2, evaluated with the shipped config (32 pixels, patch
@@ -136,6 +139,7 @@ def test_a_checkpoint_of_other_shapes_stops_in_one_line_and_another_budget_is_sa
     assert _metrics(run, "validate-last-2")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads
 
 
+@pytest.mark.slow
 def test_a_sweep_trials_checkpoint_evaluates_with_no_config(run_dir, write_image_folder, capsys):
     """A sweep trial's checkpoint (16 pixels, patch 4, top-2; its config.yaml written by the trial's `moh fit`)
     evaluated with `--ckpt_path` alone: the run's own config.yaml gives its data and trainer; the test logs its head

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from moh_lightning.trainer_cli import MoHLightningCLI
@@ -38,6 +39,7 @@ def test_vocab_size_comes_from_the_tokenizer(run_dir):
     assert _cli("--config", "llm_stdlib_75.yaml").model.hparams.arch["vocab_size"] == 259
 
 
+@pytest.mark.slow
 def test_links_skip_what_a_task_or_data_module_lacks(run_dir):
     # DiT: the MNIST pixel module has num_classes, no vocab_size / in_chans; DiTConfig has no vocab_size
     assert _cli("--config", "dit_mnist_75.yaml").model.hparams.arch["num_classes"] == 10

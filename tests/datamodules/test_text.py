@@ -76,6 +76,7 @@ def test_hugging_face_tokenizer_splits_by_tokens(tmp_path):
     assert dm.vocab_size == len(words)
 
 
+@pytest.mark.slow
 def test_single_file_trains_with_nothing_else(run_dir):
     (run_dir / "corpus.txt").write_text(CORPUS)
     moh(["fit", "--config", "llm_stdlib_75.yaml", "--data.init_args.sources", "[{path: corpus.txt}]",

@@ -164,6 +164,7 @@ def test_causal_flex_layout_equals_dense_and_mask(monkeypatch, length, num_keys,
 
 
 @pytest.mark.parametrize("num_kv_heads, padded", [(8, False), (2, True)])
+@pytest.mark.slow
 def test_causal_and_decoding_with_flex_attention_forward_on_the_cpu(num_kv_heads, padded):
     """torch's own FlexAttention (eager; its forward runs on the CPU) over the causal slots and the decoding mask."""
     q, k, v, gates = (t.detach() for t in _inputs(150, 150, num_kv_heads, 2))

@@ -82,6 +82,7 @@ def _check_passes(module, layout, padded: bool, dtype: torch.dtype, device: str)
             torch.testing.assert_close(grad_rows.cpu(), ref.to(dtype), **tolerance)
 
 
+@pytest.mark.slow
 def test_passes_under_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this process is the interpreter's")

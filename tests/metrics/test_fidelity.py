@@ -45,6 +45,7 @@ def _digits(n: int, seed: int) -> np.ndarray:
     return images[np.random.default_rng(seed).choice(len(images), n, replace=False)]
 
 
+@pytest.mark.slow
 def test_spatial_feature_is_mixed_6d_branch1x1_first_7_channels_hwc(inception_weights):
     net = SpatialInceptionV3("t", [SFID_FEATURE, "2048"], feature_extractor_weights_path=inception_weights)
     captured = {}

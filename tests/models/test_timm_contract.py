@@ -70,6 +70,7 @@ def test_default_cfg(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_forward_and_backward(name):
     model, x = _create(name, num_classes=7)
     out = model.train()(x)
@@ -82,6 +83,7 @@ def test_forward_and_backward(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_features_only_match_forward_intermediates(name):
     features, x = _create(name, features_only=True)
     info = features.feature_info
@@ -102,6 +104,7 @@ def test_features_only_match_forward_intermediates(name):
 
 
 @pytest.mark.parametrize("name", TRACED)
+@pytest.mark.slow
 def test_fx_forward_and_backward(name):
     model, x = _create(name, num_classes=7)
     graph = create_feature_extractor(model, {model.pretrained_cfg["classifier"]: "logits"})
@@ -123,6 +126,7 @@ def test_fx_forward_and_backward(name):
 
 
 @pytest.mark.parametrize("name", TRACED)
+@pytest.mark.slow
 def test_torch_export(name):
     model, x = _create(name)
     model.eval()

@@ -179,6 +179,7 @@ def _new_images(folder: Path) -> None:
         Image.fromarray(np.full((28, 28), 40 * i, np.uint8), mode="L").save(folder / f"digit{i}.png")
 
 
+@pytest.mark.slow
 def test_predict_keeps_the_users_folder_and_numbers_its_own_files(checkpoints, run_dir):
     _new_images(run_dir / "new")
     mine = _user_folder(run_dir / "mine")

@@ -115,6 +115,7 @@ def test_fit_from_an_explicit_checkpoint_refuses_it(evil, run_dir):
 
 
 @pytest.mark.parametrize("loader", ["vit_pretrained", "dense_dit", "authors_dit", "authors_llama", "transnext"])
+@pytest.mark.slow
 def test_weight_loaders_refuse_it(run_dir, loader):
     marker = run_dir / "PWNED"
     path = _malicious(run_dir / "weights.pth", marker)

@@ -111,6 +111,7 @@ TASKS = {
 
 
 @pytest.mark.parametrize("config", list(TASKS))
+@pytest.mark.slow
 def test_no_step_reads_the_device_or_calls_a_collective_outside_the_logging_steps(run_dir, config):
     main(["fit", "--config", config, *TASKS[config], f"--trainer.max_steps={STEPS}", "--trainer.max_epochs=-1",
           "--trainer.limit_val_batches=0", "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=1",

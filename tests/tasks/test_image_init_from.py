@@ -69,6 +69,7 @@ def test_dense_weights_leave_every_router_fresh(tmp_path):
     assert said.endswith("routers fresh (the weights have none)")
 
 
+@pytest.mark.slow
 def test_validate_from_init_from_equals_validate_from_the_checkpoint(run_dir, caplog):
     tensors = len(_checkpoint(run_dir / "theirs.ckpt").state_dict())
     args = ["validate", "--config", "vit_tiny_mnist_75.yaml", *TINY_ARGS, *VALIDATE]
@@ -97,6 +98,7 @@ def test_arch_pretrained_is_init_from_under_its_old_name(tmp_path):
         ImageClassifier(ViTConfig(**TINY, moh=BUDGET, pretrained="a.ckpt"), init_from="b.ckpt")
 
 
+@pytest.mark.slow
 def test_a_new_run_from_a_colleagues_checkpoint_starts_at_its_accuracy(run_dir, caplog):
     fit = ["--config", "vit_tiny_mnist_75.yaml", *TINY_ARGS, "--trainer.enable_progress_bar=false"]
     main(["fit", *fit, "--trainer.max_epochs=1", "--trainer.limit_train_batches=24", "--trainer.limit_val_batches=1"])
@@ -122,6 +124,7 @@ def test_a_run_restoring_its_checkpoint_does_not_read_init_from(run_dir, caplog)
     assert "init_from=start.ckpt" not in caplog.text
 
 
+@pytest.mark.slow
 def test_an_export_timm_folder_loads_and_a_wrong_path_is_one_line(run_dir):
     """The folder `moh export-timm` writes is an init_from source as its model.safetensors is; a mistyped file or a
     folder without weights stops `moh` in one line (no traceback) that says what to give."""

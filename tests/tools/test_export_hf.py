@@ -105,6 +105,7 @@ def test_query_norm_with_per_layer_budgets_exports(tmp_path):
     torch.testing.assert_close(_logits(loaded, idx), _logits(model, idx), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_lm_eval_hf_model_evaluates_the_learned_export_as_the_checkpoint(learned):
     results = {}
     for flag, value in (("--checkpoint", learned / "learned.ckpt"), ("--hf_folder", learned / "hf")):
@@ -140,6 +141,7 @@ def test_push_to_hub_uploads_the_written_folder(learned, tmp_path, monkeypatch):
     assert 'from_pretrained("someone/tiny-moh", trust_remote_code=True)' in card
 
 
+@pytest.mark.slow
 def test_export_says_what_it_wrote_and_how_to_load_it(learned, tmp_path, capsys):
     """`moh export-hf` once printed only "wrote <folder>"; `convert-hf` and `export-timm` say what and how to load."""
     moh(["export-hf", "--checkpoint", str(learned / "learned.ckpt"), "--out", str(tmp_path / "said")])
@@ -228,6 +230,7 @@ def test_a_tokenizer_that_always_adds_eos_does_not_export(tmp_path):
         exported_tokenizer(str(tmp_path / "byt5"))
 
 
+@pytest.mark.slow
 def test_transformers_greedy_generate_continues_as_moh_generate(learned, tmp_path):
     """On the learned export and on a copy made to emit EOS: transformers' greedy ``generate`` from the exported folder
     gives ``moh generate --temperature 0``'s tokens and text, and stops at EOS where it does."""

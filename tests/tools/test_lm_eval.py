@@ -42,6 +42,7 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_harness_loglikelihood_is_the_models(workspace):
     lm = MoHLM(checkpoint=str(workspace / "tiny.ckpt"), batch_size=2)
     requests = [Instance("loglikelihood", {}, (q["question"], c), i)
@@ -57,6 +58,7 @@ def test_harness_loglikelihood_is_the_models(workspace):
         assert score == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_lm_eval_tool_on_local_tasks_checkpoint_and_export_agree(workspace, capsys):
     results = {}
     for flag, value in (("--checkpoint", workspace / "tiny.ckpt"), ("--hf_folder", workspace / "hf")):

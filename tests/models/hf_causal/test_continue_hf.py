@@ -127,6 +127,7 @@ def _fit_args(source, *extra: str) -> list[str]:
             "3", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *extra]
 
 
+@pytest.mark.slow
 def test_a_pretrained_model_reads_its_own_tokenizer_by_default(run_dir, capsys):
     source = save_family("llama", run_dir / "llama")
     (run_dir / "my.txt").write_text(TEXT * 20)
@@ -137,6 +138,7 @@ def test_a_pretrained_model_reads_its_own_tokenizer_by_default(run_dir, capsys):
     assert f"moh: data.init_args.tokenizer={source} (init_from's own" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_run_config_is_the_network_that_ran_and_a_partial_budget_keeps_the_sources_keys(run_dir, capsys):
     """A converted 2 shared + top-1 folder continue-tuned with `top_k 2` typed: 2 shared + top-2 (once 0 shared +
     top-2, exported as `moh_num_shared_heads: 0`), and the run's config.yaml records the source's shapes (once the
@@ -173,6 +175,7 @@ def _layer_budgets(task: LanguageModel) -> list[tuple[int, int, int]]:
     return [(layer.num_heads, layer.num_shared_heads, layer.router.top_k) for layer in moh_layers(task.model)]
 
 
+@pytest.mark.slow
 def test_layers_with_heads_of_their_own_number_continue_tune_with_a_budget_each(run_dir):
     """A tiny Laguna's layers have 4 and 8 query heads: with no budget typed each keeps 75% of its own (2 + top-1,
     4 + top-2), and the run's config.yaml records those heads and that budget and builds that network back; a typed
@@ -196,6 +199,7 @@ def test_layers_with_heads_of_their_own_number_continue_tune_with_a_budget_each(
         (4, 2, 1), (8, 4, 1)]
 
 
+@pytest.mark.slow
 def test_a_converted_hybrid_continue_tunes_with_a_budget_per_attention_layer(run_dir):
     """A converted bailing_hybrid's linear-attention layer stays dense: the run's arch lists the heads of its one
     attention layer, a per-layer budget has one entry for it (once refused: 'moh.top_k has 1 entries but depth=2'),
@@ -217,6 +221,7 @@ def test_a_converted_hybrid_continue_tunes_with_a_budget_per_attention_layer(run
 
 
 
+@pytest.mark.slow
 def test_the_run_folder_records_the_families_own_config_and_its_vocabulary(run_dir):
     """A continue-tuned tiny Granite (a 320-row embedding, a tokenizer of fewer tokens): the run's config.yaml holds
     Granite's own config (its multipliers), from which alone the task builds the checkpoint's network, and the logged

@@ -167,6 +167,7 @@ def test_a_family_the_kernels_compute_keeps_them(tmp_path):
     assert [layer.family_only for layer in moh_layers(_suite(tmp_path / "75"))] == [False, False]
 
 
+@pytest.mark.slow
 def test_a_sparse_attention_indexers_keys_are_the_ones_attended(tmp_path):
     """HY-V4 masks the keys its indexer left out itself under ``eager`` and ``sdpa`` only, and hands the indices
     (``indices``) to any other implementation: the MoH one once attended over every key (6.6e-3 from the source's

@@ -138,6 +138,7 @@ def test_a_model_whose_attention_bypasses_the_interface_is_one_line(tmp_path, mo
         moh(["convert-hf", "--source", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")])
 
 
+@pytest.mark.slow
 def test_head_sparse_execution_computes_the_masked_logits():
     """The suite's dispatch (``execution``) skips unselected heads in these models too, where its kernels compute the
     family's attention (Mistral's sliding window through the mask); Gemma 2's soft-capping refuses ``sparse``."""
@@ -172,6 +173,7 @@ CONVERTED_EXACTLY = ("gemma3", "gemma4_text", "falcon_h1", "ctrl", "inkling2_tex
 
 
 @pytest.mark.parametrize("model_type", CONVERTED_EXACTLY)
+@pytest.mark.slow
 def test_a_family_of_each_kind_converts_with_the_source_logits(model_type, tmp_path):
     from hf_families import save_tiny
 
@@ -185,6 +187,7 @@ def test_a_family_of_each_kind_converts_with_the_source_logits(model_type, tmp_p
 
 
 @pytest.mark.parametrize("model_type", ["laguna", "dots3_note_text"])
+@pytest.mark.slow
 def test_layers_with_heads_of_their_own_number_take_a_budget_each(model_type, tmp_path):
     """The tiny Laguna's layers have 4 and 8 query heads (``num_attention_heads_per_layer``; Inkling's sliding layers
     have their own too), dots3's too (a heterogeneous config: ``per_layer_config``, whose per-layer fields the whole
@@ -214,6 +217,7 @@ def test_layers_with_heads_of_their_own_number_take_a_budget_each(model_type, tm
 
 
 @pytest.mark.parametrize("model_type", ["bailing_hybrid", "kimi_linear"])
+@pytest.mark.slow
 def test_a_hybrid_gates_exactly_the_layers_that_call_the_interface_and_its_folder_says_so(model_type, tmp_path,
                                                                                            monkeypatch):
     """A hybrid's linear-attention layer (``BailingHybridDeltaAttention``, ``KimiLinearDeltaAttention``) is named an

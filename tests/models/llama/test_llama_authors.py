@@ -116,6 +116,7 @@ def test_missing_or_extra_weights_are_named(release, tmp_path):
         load_authors_llama(str(tmp_path / "absent"))
 
 
+@pytest.mark.slow
 def test_load_authors_llama_writes_what_lm_eval_and_transformers_read(release, tmp_path):
     folder, weights = release
     moh(["load-authors-llama", "--source", str(folder), "--out", str(tmp_path / "authors.ckpt")])

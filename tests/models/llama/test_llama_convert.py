@@ -51,6 +51,7 @@ def test_default_split_is_half_shared_at_75_percent(llama_folder):
     assert config.moh.router == "query_norm" and config.num_kv_heads == 2 and config.rope_base == 5000.0
 
 
+@pytest.mark.slow
 def test_75_percent_routes_trains_and_balances(llama_folder):
     model = from_hf(str(llama_folder)).train()
     idx = torch.randint(3, 259, (2, 16))

@@ -54,6 +54,7 @@ def test_named_models_have_the_authors_sizes_and_head_budgets(name):
     assert bool(routed) == name.startswith("moh")
 
 
+@pytest.mark.slow
 def test_micro_model_runs_on_cpu_at_224():
     torch.manual_seed(0)
     model = timm.create_model("moh_transnext_micro_75").eval()
