@@ -202,6 +202,7 @@ def check_resumable(version_dir: Path, current: dict) -> str | None:
     saved = yaml.safe_load(saved_file.read_text()) or {}
     resolve_source_paths((saved.get("data") or {}).get("init_args"))  # a config.yaml that kept them relative
     saved_model = (saved.get("model") or {}).get("init_args") or {}
+    resolve_init_from(saved_model)
     if saved_model.get("init_from") and saved_model.get("hf_config", {}) is None:
         # Written before config.yaml recorded the source's transformers config: init_from, compared, names it.
         current = {**current, "model": {**current["model"], "init_args": {**current["model"]["init_args"],
@@ -232,6 +233,15 @@ def resolve_source_paths(data_args) -> None:
             value = source.get(key)
             if isinstance(value, str | list):
                 source[key] = _absolute(value) if isinstance(value, str) else [_absolute(v) for v in value]
+
+
+def resolve_init_from(model_args) -> None:
+    """A local ``init_from`` (a folder, a weights file, a checkpoint) named relative to the working folder, named by
+    its absolute path, as the data's sources are (``resolve_source_paths``): the run's config.yaml then reads back
+    from any folder. ``model_args``: a config's or a saved config.yaml's ``model.init_args``; a hub id stays."""
+    value = model_args.get("init_from") if model_args is not None else None
+    if isinstance(value, str):
+        model_args["init_from"] = _absolute(value)
 
 
 def _absolute(path: str) -> str:
@@ -384,4 +394,4 @@ def use_run_folder(config, folder: Path, title: str, kept: list[dict[str, Any]] 
 __all__ = ["BUDGET_KEYS", "CHANGES_LOG", "CONTINUABLE_KEYS", "RESUME_KEYS", "check_resumable", "check_run_names",
            "checkpoint_problem", "differing_settings", "latest_checkpoint", "latest_loadable_checkpoint", "logger_runs",
            "logs_in_folders", "name_for_budget", "next_version", "read_kept_tokenizer", "record_changes",
-           "resolve_source_paths", "run_root", "use_run_folder", "versions"]
+           "resolve_init_from", "resolve_source_paths", "run_root", "use_run_folder", "versions"]

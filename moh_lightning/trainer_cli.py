@@ -52,6 +52,7 @@ from moh_lightning.runs import (
     next_version,
     read_kept_tokenizer,
     record_changes,
+    resolve_init_from,
     resolve_source_paths,
     run_root,
     use_run_folder,
@@ -191,6 +192,7 @@ class MoHLightningCLI(compat.CheckpointSettingsCLI):
             network_of_init_from(config, self._named_model_keys)
         if self.subcommand == "fit":
             resolve_source_paths(getattr(config.get("data"), "init_args", None))
+            resolve_init_from(getattr(config.get("model"), "init_args", None))
         if self.run_name:  # once the network is whole, a continue-tuned one's heads included
             self.run_name = name_for_budget(self.run_name, config.get("model"), typed_model_keys(self.given_args))
         logger = config.trainer.get("logger")

@@ -237,7 +237,13 @@ class SaveRunConfig(SaveConfigCallback):
             if stage == "fit" and keep is not None:
                 for key, value in keep(folder).items():
                     self.config.data.init_args[key] = value
-            self.parser.save(self.config, str(folder / self.config_filename), skip_none=False,
+            config = self.config.clone()
+            if "ckpt_path" in config:
+                # The checkpoint a run started from is no setting of the run: kept here, the config read back
+                # (`moh fit --config <run>/config.yaml` under a new name) would silently continue that checkpoint,
+                # a relative path resolving in whichever folder it is run from. resumes.log records resumes.
+                config.ckpt_path = None
+            self.parser.save(config, str(folder / self.config_filename), skip_none=False,
                              overwrite=self.overwrite, multifile=self.multifile)
         self.already_saved = True
 

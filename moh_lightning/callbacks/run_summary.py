@@ -75,6 +75,19 @@ class RunSummary(Callback):
             self._lines = []
 
 
+def head_budget(model, collapsed: list[tuple[int, int]]) -> str:
+    """The summary's head-budget line: the share of heads each token uses, and the layers that route among heads (the
+    ones the head-load dashboards draw; a MoH layer whose heads are all shared only weights them)."""
+    budget = f"{activated_head_fraction(model):.1%} of heads active per token"
+    layers = moh_layers(model)
+    routed = [layer for layer in layers if layer.router.num_routed_heads]
+    if not routed:
+        return budget + " (dense: no routed layer)"
+    shown = ", ".join(f"layer {layer} head {head}" for layer, head in collapsed)
+    count = f"{len(routed)} routed layers" + (f" of {len(layers)} MoH layers" if len(routed) < len(layers) else "")
+    return budget + f", {count}; collapsed heads: {shown or 'none'}"
+
+
 def summary_lines(trainer: Trainer, pl_module: LightningModule, folder: Path | None) -> list[str]:
     """The summary's lines (see ``RunSummary``); ``folder`` is the run folder (``logger_runs.run_folder``)."""
     # current_epoch counts the epochs begun once fit ends (a stop mid-epoch counts that epoch); the progress bar and
@@ -84,15 +97,8 @@ def summary_lines(trainer: Trainer, pl_module: LightningModule, folder: Path | N
         lines.append(f"  run folder:  {folder}")
     lines.append(f"  {_metric_line(trainer)}")
     model = getattr(pl_module, "model", None) or pl_module
-    routed = moh_layers(model)
-    budget = f"{activated_head_fraction(model):.1%} of heads active per token"
-    if routed:
-        collapsed = next((cb.collapsed_heads for cb in trainer.callbacks if isinstance(cb, HeadLoadCallback)), [])
-        shown = ", ".join(f"layer {layer} head {head}" for layer, head in collapsed)
-        budget += f", {len(routed)} routed layers; collapsed heads: {shown or 'none'}"
-    else:
-        budget += " (dense: no routed layer)"
-    lines.append(f"  head budget: {budget}")
+    collapsed = next((cb.collapsed_heads for cb in trainer.callbacks if isinstance(cb, HeadLoadCallback)), [])
+    lines.append(f"  head budget: {head_budget(model, collapsed)}")
     if folder is not None:
         monitored = _monitored_checkpoint(trainer)
         pinned = [tag for tag in ("train/loss", monitored.monitor if monitored else "val/loss")
@@ -125,4 +131,4 @@ def _value(tensor) -> str:
     return "not logged" if tensor is None else f"{float(tensor):.4g}"
 
 
-__all__ = ["RunSummary", "summary_lines"]
+__all__ = ["RunSummary", "head_budget", "summary_lines"]

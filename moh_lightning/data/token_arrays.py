@@ -104,7 +104,9 @@ def describe(source: TextSource, folder: Path) -> str:
     meta = json.loads((folder / "meta.json").read_text())
     files, rows = meta["files"], sum(meta["documents"].values())
     where = files[0] if len(files) == 1 else f"{len(files):,} files" if files else f"{rows:,} rows"
-    return (f"moh: data {source.label} ({where}, {meta['bytes']:,} bytes): {meta['tokens']['train']:,} training + "
+    # a run's saved config holds absolute paths (so it reads them from any folder): the path is then said once
+    where = "" if where == source.label else f"{where}, "
+    return (f"moh: data {source.label} ({where}{meta['bytes']:,} bytes): {meta['tokens']['train']:,} training + "
             f"{meta['tokens']['val']:,} validation tokens, cache {folder}")
 
 

@@ -17,7 +17,7 @@ from tiny_models import tiny_llama_config
 from moh_lightning.cli import main as moh
 from moh_lightning.data.text import TextDataModule
 from moh_lightning.data.tokenizers import load_tokenizer, tokenizer_identity
-from moh_lightning.runs import check_resumable, read_kept_tokenizer, resolve_source_paths
+from moh_lightning.runs import check_resumable, read_kept_tokenizer, resolve_init_from, resolve_source_paths
 from moh_lightning.settings import compare_with_checkpoint
 from moh_lightning.tasks.checkpoints import load_language_model, write_checkpoint
 from moh_lightning.tasks.language_model import SCHEDULE_STEPS, LanguageModel
@@ -167,3 +167,32 @@ def test_a_run_with_a_local_tokenizer_is_read_from_another_folder_offline(tmp_pa
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moh: continuing")]
     assert len(said) == 1 and "max_tokens 512 -> 1024; the learning-rate schedule now spans 8 steps, not 4" in said[0]
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 8
+
+
+def test_a_local_init_from_is_recorded_resolved_and_compares_so_on_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "moh-qwen").mkdir()
+    args = Namespace(init_from="moh-qwen")
+    resolve_init_from(args)  # so the run's config.yaml builds the model from any folder
+    assert args.init_from == str(tmp_path / "moh-qwen")
+    hub = Namespace(init_from="Qwen/Qwen2.5-0.5B")
+    resolve_init_from(hub)
+    assert hub.init_from == "Qwen/Qwen2.5-0.5B"
+    # A config.yaml that kept it as typed resumes the same weights named by their absolute path.
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"init_args": {"init_from": "moh-qwen"}}}))
+    assert check_resumable(tmp_path, {"model": {"init_args": {"init_from": str(tmp_path / "moh-qwen")}}}) is None
+
+
+def test_init_from_weights_that_cannot_load_stop_in_one_line(tmp_path, monkeypatch):
+    from transformers import Qwen2Config
+
+    from moh_lightning.cli import user_error
+    from moh_lightning.models.hf_causal.network import _from_pretrained
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(OSError) as raised:
+        _from_pretrained(str(tmp_path / "gone"), config, None, torch.float32)
+    line = user_error("fit", raised.value)
+    assert line is not None and line.startswith(f"moh: init_from='{tmp_path / 'gone'}': cannot load its weights")

@@ -57,6 +57,18 @@ def test_same_file_name_in_two_folders_trains_on_each_own_text(tmp_path, monkeyp
     assert str(second._folders[0]) in line
 
 
+def test_the_data_line_names_an_absolute_path_once(tmp_path):
+    from moh_lightning.data.token_arrays import describe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(PYTHON)
+    relative = describe(TextSource(path="corpus.txt"), tokenize_source(TextSource(path=str(corpus)), "byte", tmp_path))
+    assert relative.startswith(f"moh: data corpus.txt ({corpus}, {len(PYTHON.encode()):,} bytes)")
+    absolute = TextSource(path=str(corpus))  # as a resumed run reads it from its config.yaml
+    line = describe(absolute, tokenize_source(absolute, "byte", tmp_path))
+    assert line.startswith(f"moh: data {corpus} ({len(PYTHON.encode()):,} bytes)")
+
+
 def test_edited_file_is_tokenised_again(tmp_path, caplog):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SHAKESPEARE)

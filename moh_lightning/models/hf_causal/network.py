@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moh_lightning.errors import MissingDataError
 from moh_lightning.hf_configs import MOH_MODEL_TYPES, family_config
 from moh_lightning.layers import MoHHeads, QueryNormRouter, check_head_budget
 from moh_lightning.layers.execution import attend as attend_heads
@@ -371,7 +372,7 @@ def _from_pretrained(source: str, config, implementation: str | None, dtype: tor
             del hf._weight_conversions
     except OSError as error:
         reason = str(error).strip().splitlines()[0]
-        raise OSError(f"init_from={source!r}: cannot load its weights ({reason}); give a local folder with "
+        raise MissingDataError(f"init_from={source!r}: cannot load its weights ({reason}); give a local folder with "
                       f"config.json and weights, or a hub id reachable from here.") from None
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
