@@ -29,6 +29,7 @@ def _csv_rows(folder: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
+@pytest.mark.slow
 def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(tmp_path):
     trainer = fit_tiny(TinyTask(timesteps=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
     folder = Path(trainer.log_dir) / "head_load"
@@ -67,6 +68,7 @@ def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(t
 
 
 @pytest.mark.parametrize(("every", "drawn"), [(None, [2, 6]), (2, [2, 6]), (1, [2, 4, 6])])
+@pytest.mark.slow
 def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path, every, drawn):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer = fit_tiny(TinyTask(), logger, tmp_path, **({} if every is None else {"images_every_n_windows": every}))
@@ -229,6 +231,7 @@ def test_hparams_columns_are_the_metrics_each_task_logs():
 
 
 @pytest.mark.parametrize(("every", "drawn"), [(5, [3, 14]), (2, [3, 11, 14])])
+@pytest.mark.slow
 def test_validation_heatmaps_every_n_validations_and_the_last_at_the_end(tmp_path, every, drawn):
     # Validations at steps 3, 6, 11 and 14 (8 batches an epoch): the first and every n-th are drawn, and the last
     # once training ends, so the run folder's heatmaps are always the last validation's; loads.json is written at

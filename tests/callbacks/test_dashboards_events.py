@@ -52,6 +52,7 @@ def test_an_evaluation_is_logged_at_its_checkpoints_step(tmp_path, evaluation):
     assert snapshot.step == 6  # the heatmap's title, "Head load · validation · step 6", is drawn from it
 
 
+@pytest.mark.slow
 def test_the_last_training_heatmap_and_histogram_are_the_last_steps(tmp_path):
     # Windows of 2 batches close at steps 2, 4 and 6; the seventh step's batch closes one more when training ends.
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)

@@ -40,6 +40,7 @@ def _one_line(args: list[str], folder) -> str:
     ["validate", "--config", "vit_tiny_mnist_75.yaml", "--ckpt_path", "nope.ckpt"],
     ["fit", "--config", "llm_stdlib_75.yaml", "--ckpt_path", "nope.ckpt"],
 ], ids=lambda args: args[0])
+@pytest.mark.slow
 def test_a_missing_file_is_one_line_naming_it(args, run_dir):
     message = _one_line(args, run_dir)
     assert "nope" in message and ("no such file" in message or "no config.json" in message or "cannot load" in message)
@@ -59,6 +60,7 @@ def test_another_tasks_checkpoint_is_one_line_naming_both_tasks(run_dir):
     assert "ImageClassifier checkpoint" in message and "moh export-timm" in message
 
 
+@pytest.mark.slow
 def test_a_family_that_cannot_take_moh_stops_fit_as_it_stops_convert_hf(run_dir):
     import transformers
 

@@ -34,6 +34,7 @@ def test_bad_config_key_is_one_line_naming_the_key(override, key, run_dir, capsy
     ("dit_b2_75.yaml", "--data.init_args.data_path", ["<class>/ image folders", "dit_mnist_75.yaml",
                                                       "dit_folder_90.yaml"]),
 ])
+@pytest.mark.slow
 def test_a_config_without_its_data_names_the_flag_the_layout_and_a_cpu_sized_run(config, flag, said, run_dir):
     """`moh fit --config vit_s_75.yaml` without ImageNet once said "config key 'data': the following arguments are
     required: data_dir"."""

@@ -63,6 +63,7 @@ def test_folder_switches_and_grayscale(tmp_path, write_image_folder):
         ImageFolderDataModule(str(tmp_path), mean=(0.5, 0.5), std=(0.5, 0.5))
 
 
+@pytest.mark.slow
 def test_flat_folder_holds_out_a_seeded_share_of_every_class(tmp_path):
     root = write_digits_folder(tmp_path / "digits", size=16, flat=True)
     assert sorted(p.name for p in root.iterdir()) == sorted(DIGIT_WORDS)

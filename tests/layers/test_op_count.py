@@ -2,12 +2,14 @@
 none of its CUDA paths' passes reads values back to the host."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moh_lightning.layers.router_op import route_rows, route_rows_backward
 from moh_lightning.tools.bench.op_count import DATA_DEPENDENT, count_ops, layer_step_ops, op_count_layers
 
 
+@pytest.mark.slow
 def test_masked_layer_step_dispatches_at_most_1_6x_timm_attention():
     layers = op_count_layers()
     base = sum(layer_step_ops(layers["timm Attention"].train()).values())

@@ -53,6 +53,7 @@ def test_importing_the_models_registers_them():
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_default_cfg(name):
     model, x = _create(name)
     cfg = model.pretrained_cfg

@@ -217,6 +217,7 @@ def test_collectives_are_bounded_unless_the_strategy_has_a_timeout_of_its_own():
 
 
 @pytest.mark.parametrize("with_store", [False, True], ids=["one process", "with a run store"])
+@pytest.mark.slow
 def test_the_watchdog_idles_at_zero_cpu(monkeypatch, with_store):
     # Past its first poll time a watchdog without a store once busy-spun in select (every `moh fit` ran ~3x slower).
     # A short poll interval puts the test past several poll times within seconds.

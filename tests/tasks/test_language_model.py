@@ -221,6 +221,7 @@ def test_token_budget_stops_training_and_loss_falls(tmp_path):
     assert task.head_load_groups({"source": torch.tensor([0, 0])}).tolist() == [0, 0]
 
 
+@pytest.mark.slow
 def test_progress_bar_counts_the_token_budget(tmp_path):
     """The bar counts the run's steps against the budget's, across epochs; with the configs' max_epochs -1 Lightning's
     Rich bar showed the batches of each epoch, labelled "Epoch 0/-2"."""

@@ -121,6 +121,7 @@ def test_predict_without_its_input_stops_in_one_line(config, says, run_dir):
     assert message.startswith("moh predict: ") and says in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_predict_input_that_is_not_there_is_named(run_dir):
     (run_dir / "empty").mkdir()
     for folder, says in (("missing", "no such folder"), ("empty", "no image file")):

@@ -81,6 +81,7 @@ def _assert_same_step(first, second):
 
 
 @pytest.mark.parametrize("name", ["vit", "dit", "llama", "transnext"])
+@pytest.mark.slow
 def test_activation_checkpointing_gives_equal_gradients(name):
     model, inputs, loss_fn = next((m, i, f) for n, m, i, f in _models() if n == name)
     reference = _step(model, inputs, loss_fn)
@@ -131,6 +132,7 @@ def test_dense_and_mask_layer_compiles_in_one_graph_with_equal_outputs_and_gradi
 
 
 @pytest.mark.parametrize("name", ["vit", "dit", "llama"])
+@pytest.mark.slow
 def test_cpu_default_models_trace_without_graph_breaks(name):
     """The embedded defaults run the dense-and-mask path (``auto`` at their lengths): one graph per model."""
     torch._dynamo.reset()

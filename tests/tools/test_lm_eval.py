@@ -79,6 +79,7 @@ def test_lm_eval_tool_needs_one_model():
         moh(["lm-eval", "--tasks", "[tiny_choice]"])
 
 
+@pytest.mark.slow
 def test_the_shipped_example_runs_by_name_from_any_folder_without_the_harness_notes(workspace, run_dir, capfd,
                                                                                     caplog):
     """From an empty folder outside any git repository: the example's data is read beside its YAML, and neither
@@ -148,6 +149,7 @@ def test_a_hub_task_offline_is_one_line_naming_it_and_include_path(offline, work
     assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
 
 
+@pytest.mark.slow
 def test_a_tokenizer_given_and_lm_evals_own_per_sample_log(workspace, run_dir):
     """`--tokenizer` scores a checkpoint whose recorded tokenizer cannot be read (here the export's, the same ids, so
     the same score), and `--log_samples true` writes lm-eval's own samples_<task>_<time>.jsonl beside `--output`."""

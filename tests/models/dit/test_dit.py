@@ -89,6 +89,7 @@ def test_sincos_matches_dit_reference():
     np.testing.assert_allclose(sincos_pos_embed_2d(dim, grid).numpy(), reference, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cfg_scale_one_is_the_conditional_model():
     torch.manual_seed(0)
     model = DiT(DiTConfig(**TINY, class_dropout_prob=0.1)).eval()

@@ -194,6 +194,7 @@ def test_mismatches_name_the_keys():
         load_authors_dit(moved, tiny_config())
 
 
+@pytest.mark.slow
 def test_load_authors_dit_writes_a_checkpoint_moh_sample_reads(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.save(authors_state(TINY), tmp_path / "authors.pt")
