@@ -72,9 +72,15 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = Fa
     process of its own (``process``) where only one shows what the logger does (a W&B service, a server's run)."""
     code = 143 if stop == "SIGTERM" else 130
     if not process:
-        with pytest.raises(SystemExit) as exit_info:
-            main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.StopInStep5",
-                  f"--trainer.callbacks.stop={stop}"])
+        # As ctrl_c_restored does for a process: a background job (`bash .ci/run &`) starts with SIGINT ignored, and
+        # the run rightly leaves an ignored signal alone.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.StopInStep5",
+                      f"--trainer.callbacks.stop={stop}"])
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert exit_info.value.code == code
         return
     # Without WANDB_SERVICE the child starts a W&B service of its own, as a `moh fit` from a shell does: one

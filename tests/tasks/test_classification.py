@@ -41,7 +41,8 @@ def test_fit_end_to_end_on_embedded_mnist_logs_per_layer_head_load(run_dir):
     assert "train/load_balance_loss" in scalars and "val/acc1" in scalars
     assert {"head_load/heatmap_train", "head_load/heatmap_val", "head_load/per_class_layer_05"} <= set(
         events.Tags()["images"])
-    assert not events.Tags()["histograms"]
+    # Each routed layer's load over even load, a histogram per window: the band narrowing onto 1 in Distributions.
+    assert set(events.Tags()["histograms"]) == {f"head_load_vs_even/layer_{layer:02d}" for layer in range(depth)}
 
 
 @pytest.mark.slow
