@@ -141,12 +141,20 @@ def _ruled_out(key: str) -> str | None:
     return None
 
 
+def _checked_by(key: str) -> str:
+    """Where a key's number is checked: its network config (``arch``, ``moh`` within it), the task or the data module."""
+    return next(place for place in ("model.init_args.arch", "model.init_args", "data.init_args")
+                if key.startswith(f"{place}."))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", EMBEDDED)
 def test_every_number_of_an_embedded_default_refuses_a_wrong_type_and_what_its_name_rules_out(config, run_dir,
                                                                                               capsys):
     """The wrong type is refused by the parser (one parser for the config's keys), a value the key's name rules out
-    when the task and data module are built (a fresh build per key)."""
+    when the task and data module are built: a fresh command for one key of each rule at each place that checks (the
+    task, its network config, the data module; a command is seconds, and the rules by name are unit-tested in
+    test_value_checks.py)."""
     keys = {key: value for key, value in _numbers(config).items() if key.startswith(("model.", "data."))}
     assert len(keys) > 5
     parser = MoHLightningCLI(args=["--config", config, "--trainer.logger", "false"], run=False).parser
@@ -155,9 +163,12 @@ def test_every_number_of_an_embedded_default_refuses_a_wrong_type_and_what_its_n
         with pytest.raises(SystemExit) as stop:
             parser.parse_args([*expanded, f"--{key}", "not-a-number"])
         assert "\n" not in str(stop.value.code) and key.rsplit(".", 1)[-1] in str(stop.value.code)
-    ruled_out = {key: value for key in keys if (value := _ruled_out(key)) is not None}
-    assert ruled_out
-    for key, value in ruled_out.items():
+    ruled_out = {}
+    for key in keys:
+        if (value := _ruled_out(key)) is not None:
+            ruled_out.setdefault((_checked_by(key), value), (key, value))
+    assert {place for place, _ in ruled_out} == {"model.init_args.arch", "model.init_args", "data.init_args"}
+    for key, value in ruled_out.values():
         message = _refused(["fit", "--config", config, f"--{key}", value, "--trainer.max_steps", "0"], run_dir, capsys)
         assert key.rsplit(".", 1)[-1] in message, message
 
