@@ -249,11 +249,12 @@ def test_the_run_folder_records_the_families_own_config_and_its_vocabulary(run_d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_continue_tuning_resumes_exactly_and_exports(family, run_dir):
+def test_continue_tuning_resumes_exactly_and_exports(run_dir):
     """From a `moh convert-hf` folder, with no shape on the command line: 6 steps straight, and 4 steps then resumed
     from `last`, end in the same weights; the export loads in transformers with the task's logits and the source's
-    settings; `moh generate` continues a prompt with the checkpoint."""
+    settings; `moh generate` continues a prompt with the checkpoint. (The loop and its resume are one for every
+    family; each family's own conversion, step and export: the next test.)"""
+    family = "qwen3"
     save_family(family, run_dir / "source")
     moh(["convert-hf", "--source", "source", "--out", "converted"])
     (run_dir / "my.txt").write_text(TEXT * 40)
@@ -280,6 +281,25 @@ def test_continue_tuning_resumes_exactly_and_exports(family, run_dir):
     texts = moh_generate(checkpoint=checkpoint)
     assert len(texts) == 1 and texts[0]
     assert moh_generate(hf_folder="exported") == texts  # the export continues a prompt as the checkpoint does
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_continue_tunes_from_its_converted_folder_and_exports_what_it_trained(family, run_dir):
+    save_family(family, run_dir / "source")
+    moh(["convert-hf", "--source", "source", "--out", "converted"])
+    (run_dir / "my.txt").write_text(TEXT * 40)
+    moh(_fit_args("converted", "--trainer.logger.init_args.name", "tuned", "--trainer.max_steps", "1"))
+    checkpoint = str(run_checkpoints("tuned") / "last.ckpt")
+    moh(["export-hf", "--checkpoint", checkpoint, "--out", "exported"])
+    task, _ = load_language_model(checkpoint)
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 1
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "exported", trust_remote_code=True).eval()
+    idx = torch.randint(3, 290, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(idx).logits, task.model(idx), atol=2e-5, rtol=1e-5)
+    written = json.loads((run_dir / "exported" / "config.json").read_text())
+    assert written["moh_base_model_type"] == family and written["model_type"] == "moh"
 
 
 def moh_generate(**model) -> list[str]:
