@@ -39,13 +39,24 @@ def pytest_collection_modifyitems(items) -> None:
 
     Under pytest-xdist (``--dist loadgroup``) the tests that share a module-scoped fixture (a trained checkpoint, an
     uninterrupted reference run, a server) run on one worker, which builds it once; the others are handed out one by
-    one. A test marked ``xdist_group`` itself keeps its own group."""
+    one. A test marked ``xdist_group`` itself keeps its own group. The workers take tests in collection order, so the
+    modules with the longest tests come first (the Ray sweeps, one worker's run of several modules; then servers and
+    several processes; then slow tests): started last, one of them would leave the other worker idle at the end of the
+    run. A module's tests stay together, in their own order, so that its module-scoped fixtures are built once."""
     for item in items:
         if item.get_closest_marker("distributed") or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.slow)
         shared = _module_fixtures(item)
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{shared[0]}"))
+    rank: dict[str, int] = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        cost = 0 if group and group.args == ("ray",) else \
+            1 if item.get_closest_marker("server") or item.get_closest_marker("distributed") else \
+            2 if item.get_closest_marker("slow") else 3
+        rank[item.fspath] = min(rank.get(item.fspath, 3), cost)
+    items.sort(key=lambda item: rank[item.fspath])  # stable: each module's own order kept
 
 
 def _module_fixtures(item) -> list[str]:

@@ -142,7 +142,7 @@ def _ruled_out(key: str) -> str | None:
 
 
 def _checked_by(key: str) -> str:
-    """Where a key's number is checked: its network config (``arch``, ``moh`` within it), the task or the data module."""
+    """Where a key's number is checked: its network config (``arch``), the task or the data module."""
     return next(place for place in ("model.init_args.arch", "model.init_args", "data.init_args")
                 if key.startswith(f"{place}."))
 
