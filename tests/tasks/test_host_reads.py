@@ -101,12 +101,14 @@ class StepReads(Callback):
         self.mode, self.collectives = None, []
 
 
+# Two blocks where a config has more: what could read the device is the step and its callbacks, at any depth.
 TASKS = {
-    "vit_tiny_mnist_75.yaml": ["--data.init_args.batch_size=16"],
+    "vit_tiny_mnist_75.yaml": ["--data.init_args.batch_size=16", "--model.init_args.arch.depth=2"],
     # The recipe's EMA from the first step (it starts at 400): its update is a step's work too.
     "dit_mnist_75.yaml": ["--data.init_args.batch_size=4", "--trainer.callbacks=[{class_path: "
                           "moh_lightning.callbacks.EMAWeightAveraging, init_args: {decay: 0.997}}]"],
-    "llm_stdlib_75.yaml": ["--data.init_args.batch_size=2", "--data.init_args.seq_len=64"],
+    "llm_stdlib_75.yaml": ["--data.init_args.batch_size=2", "--data.init_args.seq_len=64",
+                           "--model.init_args.arch.depth=2"],
 }
 
 
