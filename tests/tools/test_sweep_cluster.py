@@ -38,7 +38,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from moh_lightning import cli
 from moh_lightning.sweep.ray_tune import DONE_FILE
 
-pytestmark = [pytest.mark.server, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (test_sweep.py)
+# One Ray cluster at a time (test_sweep_local.py); two nodes and two sweeps take minutes on a loaded machine.
+pytestmark = [pytest.mark.server, pytest.mark.xdist_group("ray"), pytest.mark.timeout(900)]
 
 RAY = Path(sys.executable).with_name("ray")
 # Loopback, yet an address of its own, so the nodes' IPs differ (Ray takes the head's 127.0.0.1 as the host's address).
