@@ -1,218 +1,73 @@
-"""``moh sweep``: a 2-cell × 2-seed grid on a local Ray Tune, with one failing trial and a restart mid-way.
-
-Three calls of the same command on the same folder (each starts and stops its own local Ray):
-1. interrupted by a Tune callback that raises as soon as the first trial finished, the way a killed sweep
-   leaves Tune's state behind;
-2. the same command again: continues without training the finished trial again; one trial fails (its run
-   folder is blocked by a file) and is reported with its error while the others finish, and the sweep exits 1;
-3. the same command with ``--retry_failed false`` and another metric: runs nothing and rewrites the report.
-The table's statistics and the trial names are checked without Ray.
+"""``moh sweep`` without Ray: the table's statistics and words, the report's files, the trial names, and a trial's
+return after a sweep was killed. The sweep on Ray itself: test_sweep_local.py (a local Ray, stopped, continued, a
+failed trial) and test_sweep_cluster.py (two nodes, one lost).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import scipy.stats
-import torch
 import yaml
-from conftest import ctrl_c_restored
-from ray.tune import Callback
-from sweep_cases import FIT_CONFIG, read_csv, run_state, tiny_overlay
+from sweep_cases import read_csv
 
-from moh_lightning import cli
 from moh_lightning.sweep import ray_tune
 from moh_lightning.sweep.grid import baseline_index, cli_value, grid_cells, trial_names
-from moh_lightning.sweep.report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats
-
-# Ray clusters run one at a time (one worker under pytest-xdist), as they did in one process; the unit tests of the
-# statistics, names and report below start none.
-RAY = pytest.mark.xdist_group("ray")
-
-GRID = {"model.init_args.lr": [2e-3, 1e-2]}
-SEEDS = [0, 1]
+from moh_lightning.sweep.report import STATUS_FAILED, STATUS_FINISHED, TrialResult, cell_stats, write_report
 
 
-INTERRUPT = "MOH_TEST_INTERRUPT_SWEEP"
+def test_the_report_tables_each_cell_over_its_finished_seeds_and_names_the_failed_trials(tmp_path: Path) -> None:
+    cells = [{"model.init_args.lr": 2e-3}, {"model.init_args.lr": 1e-2}]
+    runs = tmp_path / "runs"
+    trials = [TrialResult(name, cell, seed, STATUS_FINISHED, {"val/loss": val, "train/loss": train},
+                          run_dir=str(runs / name / "version_0"), node="127.0.0.1")
+              for name, cell, seed, val, train in [("lr=0.002-seed=0", 0, 0, 2.0, 2.5),
+                                                   ("lr=0.002-seed=1", 0, 1, 2.2, 2.4),
+                                                   ("lr=0.01-seed=0", 1, 0, 1.5, 1.9)]]
+    error = "NotADirectoryError: [Errno 20] Not a directory: 'runs/lr=0.01-seed=1' | x"
+    trials.append(TrialResult("lr=0.01-seed=1", 1, 1, STATUS_FAILED, error=error,
+                              traceback=str(tmp_path / "tune" / "lr=0.01-seed=1" / "error.txt")))
+    write_report(tmp_path, trials, cells, [0, 1], "val/loss", "min", 0, "llm_stdlib_75.yaml")
+    rows = read_csv(tmp_path / "trials.csv")
+    assert [(r["trial"], r["model.init_args.lr"], r["seed"], r["status"]) for r in rows] == [
+        ("lr=0.002-seed=0", "0.002", "0", "finished"), ("lr=0.002-seed=1", "0.002", "1", "finished"),
+        ("lr=0.01-seed=0", "0.01", "0", "finished"), ("lr=0.01-seed=1", "0.01", "1", "failed")]
+    assert [float(r["val/loss"]) for r in rows[:3]] == [2.0, 2.2, 1.5] and rows[3]["val/loss"] == ""
+    assert [Path(r["run_dir"]) for r in rows[:3]] == [runs / r["trial"] / "version_0" for r in rows[:3]]
+    assert rows[3]["error"] == error and rows[3]["traceback"] == trials[3].traceback
+    # One row per cell over its finished seeds; Welch's comparison needs n >= 2 on both sides.
+    cells_csv = read_csv(tmp_path / "results.csv")
+    assert [(c["cell"], c["baseline"], c["val/loss n"], c["train/loss n"]) for c in cells_csv] == [
+        ("lr=0.002", "True", "2", "2"), ("lr=0.01", "False", "1", "1")]
+    assert float(cells_csv[0]["val/loss mean"]) == pytest.approx(2.1)
+    assert float(cells_csv[0]["val/loss std"]) == pytest.approx(statistics.stdev([2.0, 2.2]))
+    assert float(cells_csv[1]["val/loss diff"]) == pytest.approx(1.5 - 2.1) and cells_csv[1]["val/loss p"] == ""
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| 0.002 (baseline) | 2 | 2.1 ± 0.141 | — | — |" in markdown
+    assert "| 0.01 | 1 | **1.5** | -0.6 | n/a |" in markdown  # the best cell in bold
+    assert "## Failed trials" in markdown
+    assert f"| `lr=0.01-seed=1` | {error.replace('|', chr(92) + '|')} | `tune/lr=0.01-seed=1/error.txt` |" in markdown
+    assert (tmp_path / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-class Interrupted(Exception):
-    pass
-
-
-class InterruptAfterFirstTrial(Callback):
-    """Ends the sweep's driver with an error at Tune's next step once a trial finished, while ``INTERRUPT`` is set.
-
-    Raised from ``on_step_end``, the error leaves Tune's loop at once, without the final save of its state: what
-    Tune finds on a restart is its last periodic save, as after the sweep was killed. (Tune restores a run's
-    callbacks with it, hence the switch in the environment.)
-    """
-
-    def __init__(self) -> None:
-        self.finished = 0
-
-    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self.finished += 1
-
-    def on_step_end(self, iteration, trials, **info) -> None:
-        if self.finished and os.environ.get(INTERRUPT):
-            raise Interrupted("the test interrupts the sweep")
-
-
-def ray_processes(before: set[int]) -> list[str]:
-    """The test process's live children that the sweep started (``before``: those earlier tests left, e.g. wandb's)."""
-    time.sleep(0.5)
-    deadline = time.time() + 15
-    while True:
-        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-                    and p.status() != psutil.STATUS_ZOMBIE]
-        if not children or time.time() > deadline:
-            return [" ".join(p.cmdline()[:2]) for p in children]
-        time.sleep(0.5)
-
-
-@pytest.mark.server
-@RAY
-def test_sweep_fails_one_trial_and_restarts(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # run_dir: tmp, and the working folder, so nothing a trial writes lands in the checkout.
-    overlay = run_dir / "tiny.yaml"
-    overlay.write_text(yaml.safe_dump(tiny_overlay(run_dir)))
-    out = run_dir / "sweep"
-    args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps(GRID), "--seeds", json.dumps(SEEDS),
-            "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
-            "--extra_args", json.dumps(["--config", str(overlay)])]
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
-    names = ["lr=0.002-seed=0", "lr=0.002-seed=1", "lr=0.01-seed=0", "lr=0.01-seed=1"]
-    runs = out / "runs"
-    # The last trial fails: a file stands where its run folder goes.
-    runs.mkdir(parents=True)
-    blocked = runs / names[3]
-    blocked.write_text("not a folder")
-
-    # 1. Interrupted once the first trial finished.
-    monkeypatch.setattr(ray_tune, "tune_callbacks", lambda: [InterruptAfterFirstTrial()])
-    monkeypatch.setenv(INTERRUPT, "1")
-    monkeypatch.setenv("MOH_DEBUG", "1")  # the error as raised, not moh's line for a bug
-    with pytest.raises(Interrupted, match="interrupts the sweep"):
-        cli.main(args)
-    assert ray_processes(before) == []
-    assert not (out / "results.md").exists()
-    first = run_state(runs / names[0])
-    assert first["versions"] == ["version_0"] and "version_0/config.yaml" in first["files"]
-    assert any(name.endswith("last.ckpt") for name in first["files"])
-    assert not (runs / names[1]).exists()
-
-    # 2. The same command: the finished trial is not trained again; the blocked one fails, the others finish, and the
-    # sweep says so by its exit.
-    monkeypatch.delenv(INTERRUPT)
-    monkeypatch.delenv("MOH_DEBUG")
-    with pytest.raises(SystemExit, match=r"^moh sweep: 1 of 4 trials failed; .* the same command runs only the failed"):
-        cli.main(args)
-    assert ray_processes(before) == []
-    assert run_state(runs / names[0]) == first
-    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
-    assert list(trials) == names
-    assert [trials[n]["status"] for n in names] == ["finished", "finished", "finished", "failed"]
-    error = trials[names[3]]["error"]
-    assert names[3] in error and "Error" in error
-    for name in names[:3]:
-        assert Path(trials[name]["run_dir"]) == runs / name / "version_0"
-        assert math.isfinite(float(trials[name]["val/loss"]))
-    cells = read_csv(out / "results.csv")
-    assert [(c["cell"], c["baseline"], c["val/loss n"]) for c in cells] == [("lr=0.002", "True", "2"),
-                                                                           ("lr=0.01", "False", "1")]
-    assert float(cells[0]["val/loss std"]) >= 0 and cells[1]["val/loss p"] == ""  # Welch needs n >= 2
-    markdown = (out / "results.md").read_text()
-    assert "| 0.002 (baseline) | 2 |" in markdown and " ± " in markdown
-    assert "## Failed trials" in markdown and f"`{names[3]}`" in markdown
-    plot = out / "val_loss.png"
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    # A different sweep in the same folder is refused before Ray starts.
-    with pytest.raises(SystemExit, match="different sweep"):
-        cli.main(args[:4] + [json.dumps({"model.init_args.lr": [2e-3]})] + args[5:])
-
-    # 3. The same command without retrying failures, reporting another metric: nothing runs, the report is rewritten.
-    done = {name: run_state(runs / name) for name in names}
-    with pytest.raises(SystemExit, match="1 of 4 trials failed; .* the same command with --retry_failed true runs"):
-        cli.main(args + ["--retry_failed", "false", "--metric", "train/loss", "--mode", "min"])
-    assert ray_processes(before) == []
-    assert {name: run_state(runs / name) for name in names} == done
-    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
-    assert [trials[n]["status"] for n in names] == ["finished", "finished", "finished", "failed"]
-    assert [c["train/loss n"] for c in read_csv(out / "results.csv")] == ["2", "1"]
-    assert "## train/loss" in (out / "results.md").read_text()
-    assert (out / "train_loss.png").is_file()
-
-
-def _checkpoints(run: Path) -> list[Path]:
-    return [path for path in run.glob("version_*/checkpoints/*.ckpt") if path.name != "last.ckpt"]
-
-
-@pytest.mark.server
-@RAY
-def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly_leaving_nothing_outside(tmp_path: Path):
-    # Two trials that train the same (the grid's key only changes how many checkpoints are kept), in a fresh HOME
-    # and TMPDIR; Ctrl-C (SIGINT to the sweep's process group) during the second.
-    home, tmp = tmp_path / "home", Path(tempfile.mkdtemp(dir="/tmp"))  # (a short TMPDIR: Ray's sockets go below)
-    home.mkdir()
-    overlay = tmp_path / "tiny.yaml"
-    settings = tiny_overlay(tmp_path)
-    settings["model"]["init_args"]["max_tokens"] = 20 * 4 * 32  # 20 steps, a checkpoint every 5
-    overlay.write_text(yaml.safe_dump(settings))
-    out = tmp_path / "sweep"
-    args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps({"checkpoint.keep": [3, 4]}), "--seeds", "[0]",
-            "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
-            "--extra_args", json.dumps(["--config", str(overlay)])]
-    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
-    ray_sessions = set(Path("/tmp/ray").glob("session_*"))
-    first, second = out / "runs" / "keep=3-seed=0", out / "runs" / "keep=4-seed=0"
-
-    sweep = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", *args], cwd=tmp_path, env=env,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=ctrl_c_restored)
-    deadline = time.monotonic() + 300
-    while not _checkpoints(second) and sweep.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sweep.poll() is None, sweep.communicate()[1][-3000:]
-    os.killpg(sweep.pid, signal.SIGINT)
-    _, err = sweep.communicate(timeout=120)
-    said = [line for line in err.splitlines() if line.startswith("moh sweep:")]
-    assert sweep.returncode == 130, err[-3000:]
-    assert said[-1].startswith("moh sweep: stopped by SIGINT: 1 of 2 trials finished, the running ones saved at a "
-                               "step boundary;") and said[-1].endswith("Continue with the same command: `moh sweep` "
-                                                                      "with the same arguments"), said
-    stopped_at = torch.load(second / "version_0/checkpoints/last.ckpt", weights_only=False)["global_step"]
-    assert 5 <= stopped_at < 20
-    assert not (out / "stop").exists()
-
-    again = subprocess.run([sys.executable, "-m", "moh_lightning.cli", *args], cwd=tmp_path, env=env,
-                           stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_restored, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
-    assert [row["status"] for row in trials.values()] == ["finished", "finished"]
-    # The stopped and continued trial ends where the uninterrupted one did.
-    uninterrupted, resumed = (json.loads((run / "sweep_result.json").read_text()) for run in (first, second))
-    assert resumed["global_step"] == uninterrupted["global_step"] == 20
-    assert {key: resumed["metrics"][key] for key in ("train/loss", "val/loss")} == \
-        {key: uninterrupted["metrics"][key] for key in ("train/loss", "val/loss")}
-
-    # Nothing left outside the sweep folder: no Ray session under /tmp/ray, no token file, no temporary folder; in
-    # HOME only matplotlib's font cache and config folder, as any `moh fit` that draws (the docs name them).
-    assert set(Path("/tmp/ray").glob("session_*")) == ray_sessions
-    left = [path.relative_to(home) for path in home.rglob("*") if path.is_file()]
-    assert all(path.parts[:2] in ((".cache", "matplotlib"), (".config", "matplotlib")) for path in left), left
-    assert list(tmp.iterdir()) == []
-    tmp.rmdir()
+def test_a_trial_that_finished_before_its_sweep_was_killed_reports_its_saved_result_without_training_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Killed after a trial finished but before Tune saved its state, a sweep restored runs that trial again: its
+    # trainable finds the result its fit saved and reports it as it was.
+    runs, name = tmp_path / "runs", "lr=0.002-seed=0"
+    saved = {"metrics": {"val/loss": 2.0}, "run_dir": str(runs / name / "version_0"), "global_step": 5,
+             "node": "127.0.0.1"}
+    (runs / name).mkdir(parents=True)
+    (runs / name / ray_tune.DONE_FILE).write_text(json.dumps(saved))
+    reported = []
+    monkeypatch.setattr(ray_tune.tune, "report", reported.append)
+    monkeypatch.setattr(ray_tune, "main", lambda args: pytest.fail(f"trained again: moh {' '.join(args)}"))
+    ray_tune._trainable({"trial": {"name": name, "cell": 0, "seed": 0, "overrides": {}}}, fit_config="x.yaml",
+                        runs=str(runs), stop_file=str(tmp_path / "stop"), cwd=str(tmp_path), extra_args=[], threads=1)
+    assert reported == [saved]
 
 
 def test_welch_comparison_with_the_baseline() -> None:
@@ -252,8 +107,6 @@ def test_named_grid_values_label_trials_and_rows_but_override_with_their_values(
 
 
 def test_the_report_says_in_words_what_differs_and_what_is_within_noise(tmp_path: Path) -> None:
-    from moh_lightning.sweep.report import write_report
-
     values = {0: [0.70, 0.72, 0.71], 1: [0.71, 0.69, 0.73], 2: [0.80, 0.81, 0.82]}  # same as baseline; clearly better
     trials = [TrialResult(f"c{cell}-s{seed}", cell, seed, STATUS_FINISHED, {"val/acc1": v})
               for cell, vs in values.items() for seed, v in enumerate(vs)]

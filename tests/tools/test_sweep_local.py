@@ -1,17 +1,27 @@
-"""``moh sweep`` on a local Ray: it listens on the loopback address only, keeps its folders to this user, and a sweep
-with a failed trial says so in one line and a non-zero exit.
+"""``moh sweep`` on a local Ray, as a process: stopped by Ctrl-C and continued exactly, one failed trial said in one
+line and a non-zero exit, listening on the loopback address only, its folders kept to this user, nothing left
+outside its folder.
 
-One tiny 2-trial sweep (the embedded MNIST config, 2 steps a trial) runs as a process of its own, in a fresh HOME and
-TMPDIR; one of its trials fails (a file stands where its run folder goes). While it runs, the test samples every
-listening socket of the sweep's process and its descendants (the driver, the GCS, the raylet, the agents, the
-workers) and the mode of every folder in its temporary folder.
+One tiny sweep of 3 trials (the embedded LM made tiny, 20 steps each, a checkpoint every 5) runs twice as a process of
+its own, in a fresh HOME and TMPDIR, each call starting its own local Ray:
+1. Ctrl-C (SIGINT to the sweep's process group) during the second trial, after its first checkpoint: exit 130;
+2. the same command: the stopped trial continues to where an uninterrupted one ends; the third trial fails (a file
+   stands where its run folder goes), the sweep reports it and exits 1. The finished trial is not trained again.
+While each runs, the test samples every listening socket of the sweep's process and its descendants (the driver, the
+GCS, the raylet, the agents, the workers) and the mode of every folder in its temporary folder. The trials' grid key
+(how many checkpoints are kept) leaves their training the same. A third call in this process, without retrying the
+failed trial and with another metric, only rewrites the report, without Ray.
 """
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import ipaddress
 import json
 import os
+import re
+import signal
 import stat
 import subprocess
 import sys
@@ -21,15 +31,22 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray
+import torch
+import yaml
 from conftest import ctrl_c_restored
-from sweep_cases import read_csv
+from sweep_cases import FIT_CONFIG, read_csv, run_state, tiny_overlay
 
 from moh_lightning import cli
 
-TRIALS = ["seed=0", "seed=1"]
-FAILING = TRIALS[1]
-# Short: each trial trains 2 steps, validates on one batch and builds no progress bar.
-EXTRA_ARGS = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"]
+
+def on_the_local_sweep(test):
+    """A test of the one local sweep below: a server test, run where the other Ray cluster is not (one at a time)."""
+    return pytest.mark.server(pytest.mark.xdist_group("ray")(pytest.mark.timeout(900)(test)))
+
+
+UNINTERRUPTED, STOPPED, FAILING = TRIALS = ["keep=3-seed=0", "keep=4-seed=0", "keep=5-seed=0"]
+STEPS = 20
 # Set by pytest and CI; MLflow writes nothing in HOME where it sees one, and the sweep's user has none.
 TESTING_VARIABLES = ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS")
 
@@ -39,10 +56,16 @@ def _loopback(address: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-def _listening(root: psutil.Process) -> set[tuple[str, str, int]]:
-    """(process name, address, port) of every listening socket of ``root`` and its descendants."""
+def _processes(root: psutil.Process) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return [root, *root.children(recursive=True)]
+    return []
+
+
+def _listening(processes: list[psutil.Process]) -> set[tuple[str, str, int]]:
+    """(process name, address, port) of every listening socket of ``processes``."""
     out = set()
-    for process in [root, *root.children(recursive=True)]:
+    for process in processes:
         try:
             command = process.cmdline()
             name = Path(command[0]).name if command else process.name()  # gcs_server, raylet, ray::IDLE, python
@@ -62,42 +85,85 @@ def _folder_modes(tmp: Path) -> dict[str, int]:
     return out
 
 
+def _checkpoints(run: Path) -> list[Path]:
+    return [path for path in run.glob("version_*/checkpoints/*.ckpt") if path.name != "last.ckpt"]
+
+
+def _alive(processes: dict[int, psutil.Process]) -> list[str]:
+    """Those of ``processes`` still running, waiting up to 15 s for them to end."""
+    deadline = time.monotonic() + 15
+    while True:
+        left = [p for p in processes.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not left or time.monotonic() > deadline:
+            return [" ".join(p.cmdline()[:2]) for p in left]
+        time.sleep(0.5)
+
+
+def _run(args: list[str], cwd: Path, env: dict, tmp: Path, home: Path, stop_when=None) -> dict:
+    """``moh sweep`` as a process, sampled while it runs; SIGINT to its process group once ``stop_when()``."""
+    sessions = set(Path("/tmp/ray").glob("session_*"))
+    sweep = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", *args], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=ctrl_c_restored)
+    root = psutil.Process(sweep.pid)
+    listening, modes, seen, stopped = set(), [], {}, False
+    deadline, sampled = time.monotonic() + 420, 0.0
+    while sweep.poll() is None and time.monotonic() < deadline:
+        if stop_when is not None and not stopped and stop_when():
+            os.killpg(sweep.pid, signal.SIGINT)
+            stopped = True
+        if time.monotonic() - sampled > 0.5:
+            processes = _processes(root)
+            seen.update((p.pid, p) for p in processes[1:])
+            listening |= _listening(processes)
+            modes.append(_folder_modes(tmp))
+            sampled = time.monotonic()
+        time.sleep(0.1)
+    if sweep.poll() is None:
+        os.killpg(sweep.pid, signal.SIGKILL)
+    stdout, stderr = sweep.communicate(timeout=60)
+    home_files = [path.relative_to(home) for path in home.rglob("*") if path.is_file()]
+    return {"returncode": sweep.returncode, "stdout": stdout, "stderr": stderr, "listening": listening,
+            "folder_modes": modes, "left_running": _alive(seen), "seen": len(seen), "home": home_files,
+            "left_in_tmp": sorted(p.name for p in tmp.iterdir()),
+            "new_ray_sessions": set(Path("/tmp/ray").glob("session_*")) - sessions}
+
+
 @pytest.fixture(scope="module")
 def local_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("local_sweep")
     home, tmp = base / "home", Path(tempfile.mkdtemp(dir="/tmp"))  # a short TMPDIR: Ray's sockets go below
     home.mkdir()
+    overlay = base / "tiny.yaml"
+    settings = tiny_overlay(base)
+    settings["model"]["init_args"]["max_tokens"] = STEPS * 4 * 32  # a checkpoint every 5 steps
+    overlay.write_text(yaml.safe_dump(settings))
     out = base / "sweep"
     (out / "runs").mkdir(parents=True)
     (out / "runs" / FAILING).write_text("not a folder")
-    args = ["sweep", "--fit_config", "vit_tiny_mnist_75.yaml", "--seeds", "[0, 1]", "--out", str(out),
-            "--cpus_per_trial", "1", "--extra_args", json.dumps(EXTRA_ARGS)]
+    args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps({"checkpoint.keep": [3, 4, 5]}),
+            "--seeds", "[0]", "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
+            "--extra_args", json.dumps(["--config", str(overlay)])]
     env = {key: value for key, value in os.environ.items() if key not in TESTING_VARIABLES}
     env.update(HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1")
-    sweep = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", *args], cwd=base, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             preexec_fn=ctrl_c_restored)
-    listening, modes, root = set(), set(), psutil.Process(sweep.pid)
-    deadline = time.monotonic() + 600
-    while sweep.poll() is None and time.monotonic() < deadline:
-        listening |= _listening(root)
-        modes |= set(_folder_modes(tmp).items())
-        time.sleep(0.5)
-    if sweep.poll() is None:
-        os.killpg(sweep.pid, 9)
-    stdout, stderr = sweep.communicate(timeout=60)
-    left_in_tmp = sorted(p.name for p in tmp.iterdir())
-    if not left_in_tmp:
+    runs = out / "runs"
+    stopped = _run(args, base, env, tmp, home, stop_when=lambda: bool(_checkpoints(runs / STOPPED)))
+    stopped["step"] = torch.load(runs / STOPPED / "version_0/checkpoints/last.ckpt", weights_only=False)["global_step"]
+    stopped["stop_file"] = (out / "stop").exists()
+    stopped["uninterrupted_run"] = run_state(runs / UNINTERRUPTED)
+    again = _run(args, base, env, tmp, home)
+    again["report"] = {name: (out / name).read_text() for name in ("trials.csv", "results.md")}
+    if not again["left_in_tmp"]:
         tmp.rmdir()
-    return {"returncode": sweep.returncode, "stdout": stdout, "stderr": stderr, "listening": listening,
-            "folder_modes": modes, "out": out, "home": home, "left_in_tmp": left_in_tmp}
+    return {"stopped": stopped, "again": again, "out": out, "args": args}
 
 
-@pytest.mark.slow
-@pytest.mark.server
-@pytest.mark.xdist_group("ray")  # one Ray cluster at a time (test_sweep.py)
-def test_a_local_sweep_listens_on_loopback_only_and_keeps_its_folders_to_itself(local_sweep: dict) -> None:
-    listening = sorted(local_sweep["listening"])
+@on_the_local_sweep
+@pytest.mark.parametrize("call", ["stopped", "again"])
+def test_a_local_sweep_listens_on_loopback_only_keeps_its_folders_to_itself_and_leaves_nothing_outside(
+        local_sweep: dict, call: str) -> None:
+    run = local_sweep[call]
+    listening = sorted(run["listening"])
     print("listening during the sweep:", *(f"{ip}:{port} {name}" for name, ip, port in listening), sep="\n  ")
     names = {name for name, _, _ in listening}
     # The sampling saw the cluster: the GCS, the raylet and a worker.
@@ -106,39 +172,86 @@ def test_a_local_sweep_listens_on_loopback_only_and_keeps_its_folders_to_itself(
     assert exposed == [], exposed
     # The sweep's temporary folder, Ray's below it, is never open to another user, not even for a moment (Ray makes its
     # own folders writable by everyone).
-    assert len({name for name, _ in local_sweep["folder_modes"]}) == 1
-    assert {mode for _, mode in local_sweep["folder_modes"]} == {0o700}, local_sweep["folder_modes"]
-    # Nothing left outside --out: the temporary folder is gone, and HOME holds only matplotlib's font cache and
-    # settings (no ~/.ray, no ~/.config/mlflow/telemetry.json).
-    assert local_sweep["left_in_tmp"] == []
-    left = [path.relative_to(local_sweep["home"]) for path in local_sweep["home"].rglob("*") if path.is_file()]
-    assert all(path.parts[:2] in ((".cache", "matplotlib"), (".config", "matplotlib")) for path in left), left
+    modes = {item for sample in run["folder_modes"] for item in sample.items()}
+    assert len({name for name, _ in modes}) == 1
+    assert {mode for _, mode in modes} == {0o700}, modes
+    # Nothing left outside --out: no process of the sweep's Ray, no Ray session under /tmp/ray, the temporary folder
+    # gone, and HOME holds only matplotlib's font cache and settings (no ~/.ray, no ~/.config/mlflow/telemetry.json).
+    assert run["seen"] > 2 and run["left_running"] == []
+    assert run["new_ray_sessions"] == set()
+    assert run["left_in_tmp"] == []
+    assert all(path.parts[:2] in ((".cache", "matplotlib"), (".config", "matplotlib")) for path in run["home"]), \
+        run["home"]
 
 
-@pytest.mark.slow
-@pytest.mark.server
-@pytest.mark.xdist_group("ray")  # one Ray cluster at a time (test_sweep.py)
+@on_the_local_sweep
+def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly(local_sweep: dict) -> None:
+    stopped, out = local_sweep["stopped"], local_sweep["out"]
+    said = [line for line in stopped["stderr"].splitlines() if line.startswith("moh sweep:")]
+    assert stopped["returncode"] == 130, stopped["stderr"][-3000:]
+    assert said[-1].startswith("moh sweep: stopped by SIGINT: 1 of 3 trials finished, the running ones saved at a "
+                               "step boundary;") and said[-1].endswith("Continue with the same command: `moh sweep` "
+                                                                      "with the same arguments"), said
+    assert 5 <= stopped["step"] < STEPS
+    assert not stopped["stop_file"]
+    # The same command: the finished trial is not trained again, and the stopped one ends where it would have.
+    assert run_state(out / "runs" / UNINTERRUPTED) == stopped["uninterrupted_run"]
+    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
+    assert [trials[name]["status"] for name in TRIALS[:2]] == ["finished", "finished"]
+    uninterrupted, resumed = (json.loads((out / "runs" / name / "sweep_result.json").read_text())
+                              for name in (UNINTERRUPTED, STOPPED))
+    assert resumed["global_step"] == uninterrupted["global_step"] == STEPS
+    assert {key: resumed["metrics"][key] for key in ("train/loss", "val/loss")} == \
+        {key: uninterrupted["metrics"][key] for key in ("train/loss", "val/loss")}
+    for name in TRIALS[:2]:
+        assert Path(trials[name]["run_dir"]) == out / "runs" / name / "version_0"
+
+
+@on_the_local_sweep
 def test_a_sweep_with_a_failed_trial_exits_non_zero_in_one_line_and_its_report_names_the_cause(
         local_sweep: dict) -> None:
-    out, stderr = local_sweep["out"], local_sweep["stderr"]
-    assert local_sweep["returncode"] == 1, stderr[-3000:]
+    run, out = local_sweep["again"], local_sweep["out"]
+    assert run["returncode"] == 1, run["stderr"][-3000:]
     # The terminal holds the suite's own lines only: no Ray traceback, no Tune table.
-    lines = [line for line in (stderr + local_sweep["stdout"]).splitlines() if line.strip()]
+    lines = [line for line in (run["stderr"] + run["stdout"]).splitlines() if line.strip()]
     assert all(line.startswith("moh sweep: ") for line in lines), "\n".join(lines)
-    assert "Traceback" not in stderr
-    assert lines[-1].startswith(f"moh sweep: 1 of 2 trials failed; {out / 'results.md'} gives each one's error, "
+    assert "Traceback" not in run["stderr"]
+    assert lines[-1].startswith(f"moh sweep: 1 of 3 trials failed; {out / 'results.md'} gives each one's error, "
                                 f"{out / 'tune'}/<trial>/error.txt its traceback; the same command runs only the "
                                 f"failed and unfinished trials again"), lines
-    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
-    assert [trials[name]["status"] for name in TRIALS] == ["finished", "failed"]
+    trials = {row["trial"]: row for row in csv.DictReader(io.StringIO(run["report"]["trials.csv"]))}
+    assert list(trials) == TRIALS
+    assert [trials[name]["status"] for name in TRIALS] == ["finished", "finished", "failed"]
     cause = trials[FAILING]["error"]
     assert "\n" not in cause and FAILING in cause and "Error" in cause, cause
     traceback = Path(trials[FAILING]["traceback"])
     assert traceback == out / "tune" / FAILING / "error.txt"
     assert 'in _trainable\n' in traceback.read_text() and traceback.read_text().rstrip().endswith(cause)
-    markdown = (out / "results.md").read_text()
+    markdown = run["report"]["results.md"]
     assert f"| `{FAILING}` | {cause.replace('|', chr(92) + '|')} | `tune/{FAILING}/error.txt` |" in markdown
     assert f"moh sweep: trial {FAILING} failed: {cause}" in lines
+
+
+@on_the_local_sweep
+def test_a_settled_sweep_rewrites_its_report_without_ray_and_refuses_a_different_sweep(
+        local_sweep: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, args = local_sweep["out"], local_sweep["args"]
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("the settled sweep started Ray"))
+    done = {name: run_state(out / "runs" / name) for name in TRIALS[:2]}
+    # A different sweep in the same folder is refused before Ray starts.
+    grid = args.index("--grid") + 1
+    with pytest.raises(SystemExit, match="different sweep"):
+        cli.main(args[:grid] + [json.dumps({"checkpoint.keep": [3, 4]})] + args[grid + 1:])
+    # The same command without retrying failures, reporting another metric: nothing runs, the report is rewritten.
+    with pytest.raises(SystemExit, match=re.escape("1 of 3 trials failed; ") + ".* the same command with "
+                                         "--retry_failed true runs only the failed and unfinished"):
+        cli.main(args + ["--retry_failed", "false", "--metric", "train/loss", "--mode", "min"])
+    assert {name: run_state(out / "runs" / name) for name in TRIALS[:2]} == done
+    trials = {row["trial"]: row for row in read_csv(out / "trials.csv")}
+    assert [trials[name]["status"] for name in TRIALS] == ["finished", "finished", "failed"]
+    assert [c["train/loss n"] for c in read_csv(out / "results.csv")] == ["1", "1", "0"]
+    assert "## train/loss" in (out / "results.md").read_text()
+    assert (out / "train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_misspelled_grid_key_is_refused_before_ray_starts(tmp_path: Path) -> None:
