@@ -112,6 +112,7 @@ def test_a_new_run_from_a_colleagues_checkpoint_starts_at_its_accuracy(run_dir, 
     assert "routers fresh (another head budget)" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_run_restoring_its_checkpoint_does_not_read_init_from(run_dir, caplog):
     """init_from is where a fresh run starts; a run that restores a checkpoint needs it no more (it may be gone)."""
     _checkpoint(run_dir / "start.ckpt", seed=0)

@@ -49,6 +49,7 @@ def _rows(path: Path) -> list[list[str]]:
         return list(csv.reader(file))
 
 
+@pytest.mark.slow
 def test_predict_writes_the_top_classes_of_every_new_image_beside_the_run(run_dir, capsys):
     checkpoint = _vit_checkpoint(run_dir / "runs" / "mine" / "version_0" / "checkpoints" / "last.ckpt")
     images = _new_images(run_dir / "new")

@@ -90,6 +90,7 @@ def _forward_backward(model: TransNeXt, x: torch.Tensor):
     return out, x.grad, {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_head_sparse_execution_equals_masked_forward_and_backward(monkeypatch):
     """Every stage's layout (all heads shared, shared and routed, routed only, full attention) computed only for the
     selected (token, head) pairs gives the masked execution's logits and gradients (inputs, weights, routers)."""
@@ -120,6 +121,7 @@ def test_head_sparse_execution_equals_masked_forward_and_backward(monkeypatch):
         torch.testing.assert_close(grads_s[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_moh_layers_load_balance_and_dashboards_see_every_stage():
     torch.manual_seed(0)
     model = TransNeXt(TINY).train()
