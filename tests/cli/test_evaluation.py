@@ -40,12 +40,21 @@ def _evaluate(subcommand: str, folder, checkpoint: str) -> None:
 @pytest.mark.slow
 def test_test_scores_the_test_folder_beside_the_run(run_dir, write_image_folder):
     write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
-    shutil.copytree(run_dir / "data/train/cat", run_dir / "data/test/cat")  # a test split of cats only
     checkpoint = _fit(run_dir / "data")
+    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
+    # A mistyped data folder, or one without test/: one line each (the missing folder named as such), and no
+    # eval/test-last folder left behind with only an events file or a metrics file in it, for either logger.
+    for chosen in ([], ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]):
+        message = _one_line(["test", "--ckpt_path", checkpoint, "--data.init_args.data_dir", "dta/", *chosen])
+        assert "data.init_args.data_dir='dta/': no such folder" in message
+        message = _one_line(["test", "--ckpt_path", checkpoint, *chosen])
+        assert "no 'test/' folder" in message
+        assert not (run / "eval").exists()
+
+    shutil.copytree(run_dir / "data/train/cat", run_dir / "data/test/cat")  # a test split of cats only
     _always_cat(checkpoint)
     _evaluate("test", run_dir / "data", checkpoint)
     _evaluate("validate", run_dir / "data", checkpoint)
-    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
     assert _metrics(run, "test-last")["test/acc1"] == 1.0  # scored the cats of test/: val/ would give 0.5
     assert _metrics(run, "validate-last")["val/acc1"] == 0.5
     assert [p.name for p in run.parent.iterdir()] == ["version_0"]  # no new version of the training run
@@ -66,22 +75,6 @@ def _one_line(args: list[str]) -> str:
     message = str(stop.value)
     assert "\n" not in message and message.startswith("moh")
     return message
-
-
-@pytest.mark.parametrize("logger", ["tensorboard", "csv"])
-@pytest.mark.slow
-def test_an_evaluation_that_fails_leaves_no_eval_folder(run_dir, write_image_folder, logger):
-    """`moh test` of a run's checkpoint on a mistyped data folder, or on a folder without test/: one line each (the
-    missing folder named as such), and no eval/test-last folder left behind with only an events file in it."""
-    write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
-    checkpoint = _fit(run_dir / "data")
-    run = run_dir / "runs/vit_tiny_folder_digits_75/version_0"
-    chosen = [] if logger == "tensorboard" else ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
-    message = _one_line(["test", "--ckpt_path", checkpoint, "--data.init_args.data_dir", "dta/", *chosen])
-    assert "data.init_args.data_dir='dta/': no such folder" in message
-    message = _one_line(["test", "--ckpt_path", checkpoint, *chosen])
-    assert "no 'test/' folder" in message
-    assert not (run / "eval").exists()
 
 
 def test_missing_validation_folder_is_one_line(run_dir, write_image_folder):
