@@ -87,7 +87,7 @@ def test_the_command_itself_prints_one_line_and_no_traceback_and_leaves_no_empty
     env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "TMPDIR": str(tmpdir)}
     done = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main()", "validate",
                            "--config", "vit_tiny_mnist_75.yaml", "--ckpt_path", "nope.ckpt"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == ["moh validate: --ckpt_path nope.ckpt: no such file; give a .ckpt "
                                                 "written by `moh fit` (or `last`, this run name's newest)."]
