@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from conftest import pythonpath
 from hf_families import train_tokenizer
 
 from moh_lightning.cli import main
@@ -84,7 +83,10 @@ def test_the_command_itself_prints_one_line_and_no_traceback_and_leaves_no_empty
     work, tmpdir = tmp_path / "work", tmp_path / "tmp"
     work.mkdir()
     tmpdir.mkdir()
-    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "TMPDIR": str(tmpdir)}
+    # Without TORCHINDUCTOR_CACHE_DIR, which torch sets in this process once it has imported Inductor (a user's shell
+    # has none): the child would make its folder there and never in $TMPDIR.
+    env = {**{key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"},
+           "TMPDIR": str(tmpdir)}
     done = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main()", "validate",
                            "--config", "vit_tiny_mnist_75.yaml", "--ckpt_path", "nope.ckpt"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=300)
