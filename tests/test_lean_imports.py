@@ -13,37 +13,43 @@ from moh_lightning.cli import COMMANDS, main
 INTEGRATIONS = ("ray", "lm_eval", "mlflow", "wandb", "transformers", "datasets", "accelerate")
 
 
-def _integrations_loaded(code: str, cwd=None) -> list[str]:
-    """The integrations a fresh Python process has imported after running ``code``."""
-    script = f"import sys\n{code}\nimport json\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & " \
-             f"set({INTEGRATIONS!r}))))"
-    done = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 @pytest.mark.slow
-def test_importing_the_package_or_moh_help_loads_nothing_and_the_block_no_integration_that_timm_does_not():
-    """timm imports W&B where it is installed (``timm.utils``), and a core install has none; the block and the named
-    models add nothing to what timm loads. `moh --help` lists the commands without importing torch or any of them."""
-    lean = sorted({command.target.partition(":")[0] for command in COMMANDS.values()} | {"torch"})
-    assert _integrations_loaded("import moh_lightning\nassert 'torch' not in sys.modules\n"
-                                "from moh_lightning.cli import main\nmain(['--help'])\n"
-                                f"assert not set({lean!r}) & set(sys.modules), set({lean!r}) & set(sys.modules)") == []
-    timms = _integrations_loaded("import timm")
-    block = _integrations_loaded("import moh_lightning.models\nfrom moh_lightning import MoHAttention")
-    assert set(block) <= set(timms)
-
-
-@pytest.mark.slow
-def test_a_vit_fit_loads_no_integration_that_lightning_does_not(tmp_path):
-    """Lightning imports torchmetrics, which imports transformers where it is installed (a core install has none);
+def test_importing_the_package_moh_help_the_block_or_a_vit_fit_loads_no_integration_that_its_base_does_not(tmp_path):
+    """Each step in one fresh Python process, each adding to what the last loaded: importing the package and `moh
+    --help` load nothing (the help lists the commands without importing torch or any of them); the block and the
+    named models add nothing to what timm loads (timm imports W&B where it is installed, ``timm.utils``, and a core
+    install has none); Lightning imports torchmetrics, which imports transformers where it is installed, and a ViT
     `moh fit` adds nothing to what Lightning and timm load."""
-    lightnings = _integrations_loaded("import lightning.pytorch, timm")
-    fit = _integrations_loaded("from moh_lightning.cli import main\nmain(['fit', '--config', 'vit_tiny_mnist_75.yaml', "
-                               "'--trainer.fast_dev_run', '1', '--trainer.enable_progress_bar', 'false'])",
-                               cwd=tmp_path)
-    assert set(fit) <= set(lightnings)
+    lean = sorted({command.target.partition(":")[0] for command in COMMANDS.values()} | {"torch"})
+    fit = ["fit", "--config", "vit_tiny_mnist_75.yaml", "--trainer.fast_dev_run", "1",
+           "--trainer.enable_progress_bar", "false"]
+    script = f"""import json, sys
+def loaded():
+    return sorted({{name.split(".")[0] for name in sys.modules}} & set({INTEGRATIONS!r}))
+steps = {{}}
+import moh_lightning
+assert "torch" not in sys.modules
+from moh_lightning.cli import main
+main(["--help"])
+assert not set({lean!r}) & set(sys.modules), set({lean!r}) & set(sys.modules)
+steps["package and help"] = loaded()
+import timm
+steps["timm"] = loaded()
+import moh_lightning.models
+from moh_lightning import MoHAttention
+steps["block"] = loaded()
+import lightning.pytorch
+steps["lightning"] = loaded()
+main({fit!r})
+steps["fit"] = loaded()
+print(json.dumps(steps))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = json.loads(done.stdout.splitlines()[-1])
+    assert steps["package and help"] == []
+    assert steps["block"] == steps["timm"]
+    assert steps["fit"] == steps["lightning"]
 
 
 @pytest.mark.parametrize(("missing", "args", "extra"), [

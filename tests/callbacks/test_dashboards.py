@@ -157,12 +157,13 @@ def test_wandb_offline_run_gets_heatmaps_tables_summary_metrics_and_config(tmp_p
 
 
 @pytest.mark.slow
-def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch, mlflow_uri_unset):
+def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, monkeypatch, mlflow_uri_unset,
+                                                                      mlflow_store):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)  # the store's artifacts go to ./mlruns
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the store MLflow 3 recommends (its file store is refused)
+    uri = mlflow_store(tmp_path / "mlflow.db")  # the store MLflow 3 recommends (its file store is refused)
     logger = MLFlowLogger(experiment_name="moh-dashboards", tracking_uri=uri)
     fit_tiny(TinyTask(timesteps=True), logger, tmp_path)
     client = MlflowClient(tracking_uri=uri)

@@ -138,10 +138,13 @@ def test_the_default_run_name_says_the_head_budget_the_command_line_set(typed, m
 
 
 @pytest.mark.slow
-def test_moh_fit_of_a_dense_baseline_lands_in_its_own_run(tmp_path, monkeypatch):
+def test_moh_fit_of_a_dense_baseline_lands_in_its_own_run_and_its_summary_names_a_dense_budget(tmp_path, monkeypatch,
+                                                                                               capsys):
     monkeypatch.chdir(tmp_path)
     smoke = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--data.init_args.batch_size=16",
              "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false"]
     main(["fit", "--config", "vit_tiny_mnist_75.yaml", *smoke, "--model.init_args.arch.moh", "null"])
     assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == ["vit_tiny_mnist_dense"]
     assert _trial(tmp_path / "runs" / "vit_tiny_mnist_dense" / "version_0") == "dense v0 vit_tiny_mnist_dense"
+    budget = next(line for line in capsys.readouterr().out.splitlines() if "head budget:" in line)
+    assert budget.endswith("head budget: 100.0% of heads active per token (dense: no routed layer)")

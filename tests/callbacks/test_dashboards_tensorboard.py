@@ -83,67 +83,75 @@ def _query(**params) -> str:
     return urllib.parse.urlencode(params)
 
 
-@pytest.mark.parametrize("load_fast", ["true", "false"])  # TensorBoard's Rust data server and its Python reader
-def test_real_tensorboard_serves_heatmaps_layout_summary_and_hparams_with_metrics(runs, load_fast):
-    board = TensorBoard(runs, load_fast)
+def test_real_tensorboard_serves_heatmaps_layout_summary_and_hparams_with_metrics(runs):
+    # TensorBoard's Rust data server and its Python reader, started together: each spends its start waiting.
+    boards = [TensorBoard(runs, load_fast) for load_fast in ("true", "false")]
     try:
-        board.wait()
-        # Heatmap images: every window, every validation, and one per-class view per routed layer.
-        tags = board.get("/data/plugin/images/tags")[RUN]
-        expected = {"head_load/heatmap_train", "head_load/heatmap_val"} | {
-            f"head_load/{view}_layer_{layer:02d}" for layer in range(6) for view in ("per_class", "over_time")}
-        assert expected <= set(tags)
-        assert tags["head_load/heatmap_train"]["samples"] == 1
-        for tag in ("head_load/heatmap_val", "head_load/per_class_layer_05"):
-            entries = board.get(f"/data/plugin/images/images?{_query(run=RUN, tag=tag, sample=0)}")
-            assert [entry["step"] for entry in entries] == [4]
-            png = board.raw(f"/data/plugin/images/individualImage?{entries[-1]['query']}")
-            width, height = Image.open(io.BytesIO(png)).size
-            assert width >= 560 and width / height > 1.4, (tag, width, height)
-        # Histograms and Distributions: each routed layer's load ÷ even load, every window.
-        histograms = board.get("/data/plugin/histograms/tags")[RUN]
-        assert set(histograms) == {f"head_load_vs_even/layer_{layer:02d}" for layer in range(6)}
-        entries = board.get(f"/data/plugin/histograms/histograms?{_query(run=RUN, tag='head_load_vs_even/layer_03')}")
-        assert [entry[1] for entry in entries] == [2, 4]
-
-        # Custom scalars: one chart per layer whose regex draws one line per routed head.
-        layout = board.get("/data/plugin/custom_scalars/layout")
-        charts = {chart["title"]: chart["multiline"]["tag"] for category in layout["category"]
-                  for chart in category["chart"]}
-        assert [f"layer {layer:02d}: routed-head load (share of tokens)" in charts for layer in range(6)] == [True] * 6
-        regex = charts["layer 03: routed-head load (share of tokens)"][0]
-        answer = board.get(f"/data/plugin/custom_scalars/scalars?{_query(run=RUN, tag=regex)}")
-        assert answer["regex_valid"]
-        lines = answer["tag_to_events"]
-        assert sorted(lines) == [f"head_load_per_head/layer_03/head_{head:02d}" for head in range(2, 8)]
-        assert all(len(points) == 2 for points in lines.values())  # windows at steps 2 and 4
-        for step in range(2):  # each token uses exactly top-4 of the 6 routed heads
-            assert sum(points[step][2] for points in lines.values()) == pytest.approx(4.0, abs=1e-5)
-
-        # The end-of-run summary, rendered from markdown by the text plugin.
-        assert board.get("/data/plugin/text/tags")[RUN] == ["head_load/summary/text_summary"]
-        text = board.get(f"/data/plugin/text/text?{_query(run=RUN, tag='head_load/summary/text_summary')}")
-        html = text[-1]["text"]
-        assert "<table>" in html and "<td>5</td>\n<td>2 shared + top-4 of 6 routed</td>" in html
-        assert "most used routed head" in html and "Load of every head" in html
-
-        # HParams: one vocabulary, and the run's final metrics (not hp_metric = -1).
-        experiment = board.get("/data/plugin/hparams/experiment", {"experimentName": ""})
-        names = {info["name"] for info in experiment["hparamInfos"]}
-        assert set(HPARAMS) <= names
-        metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
-        assert metrics == {"val/acc1", "val/loss", "head_load_balance/final_load_entropy"}  # only what a ViT logs
-        assert "hp_metric" not in metrics
-        groups = board.get("/data/plugin/hparams/session_groups", {
-            "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
-                                                      "STATUS_RUNNING"],
-            "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
-        assert len(groups) == 1
-        hparams = groups[0]["hparams"]
-        for name, value in HPARAMS.items():
-            assert hparams[name] == pytest.approx(value) if isinstance(value, float) else hparams[name] == value
-        values = {metric["name"]["tag"]: metric["value"] for metric in groups[0]["metricValues"]}
-        assert 0.0 <= values["val/acc1"] <= 1.0 and values["val/loss"] > 0
-        assert 0.5 < values["head_load_balance/final_load_entropy"] <= 1.0
+        for board in boards:
+            board.wait()
+        for board in boards:
+            _check_serves_the_run(board)
     finally:
-        board.stop()
+        for board in boards:
+            board.stop()
+
+
+def _check_serves_the_run(board: TensorBoard) -> None:
+    """What the HTTP data API of ``board`` serves of the run."""
+    # Heatmap images: every window, every validation, and one per-class view per routed layer.
+    tags = board.get("/data/plugin/images/tags")[RUN]
+    expected = {"head_load/heatmap_train", "head_load/heatmap_val"} | {
+        f"head_load/{view}_layer_{layer:02d}" for layer in range(6) for view in ("per_class", "over_time")}
+    assert expected <= set(tags)
+    assert tags["head_load/heatmap_train"]["samples"] == 1
+    for tag in ("head_load/heatmap_val", "head_load/per_class_layer_05"):
+        entries = board.get(f"/data/plugin/images/images?{_query(run=RUN, tag=tag, sample=0)}")
+        assert [entry["step"] for entry in entries] == [4]
+        png = board.raw(f"/data/plugin/images/individualImage?{entries[-1]['query']}")
+        width, height = Image.open(io.BytesIO(png)).size
+        assert width >= 560 and width / height > 1.4, (tag, width, height)
+    # Histograms and Distributions: each routed layer's load ÷ even load, every window.
+    histograms = board.get("/data/plugin/histograms/tags")[RUN]
+    assert set(histograms) == {f"head_load_vs_even/layer_{layer:02d}" for layer in range(6)}
+    entries = board.get(f"/data/plugin/histograms/histograms?{_query(run=RUN, tag='head_load_vs_even/layer_03')}")
+    assert [entry[1] for entry in entries] == [2, 4]
+
+    # Custom scalars: one chart per layer whose regex draws one line per routed head.
+    layout = board.get("/data/plugin/custom_scalars/layout")
+    charts = {chart["title"]: chart["multiline"]["tag"] for category in layout["category"]
+              for chart in category["chart"]}
+    assert [f"layer {layer:02d}: routed-head load (share of tokens)" in charts for layer in range(6)] == [True] * 6
+    regex = charts["layer 03: routed-head load (share of tokens)"][0]
+    answer = board.get(f"/data/plugin/custom_scalars/scalars?{_query(run=RUN, tag=regex)}")
+    assert answer["regex_valid"]
+    lines = answer["tag_to_events"]
+    assert sorted(lines) == [f"head_load_per_head/layer_03/head_{head:02d}" for head in range(2, 8)]
+    assert all(len(points) == 2 for points in lines.values())  # windows at steps 2 and 4
+    for step in range(2):  # each token uses exactly top-4 of the 6 routed heads
+        assert sum(points[step][2] for points in lines.values()) == pytest.approx(4.0, abs=1e-5)
+
+    # The end-of-run summary, rendered from markdown by the text plugin.
+    assert board.get("/data/plugin/text/tags")[RUN] == ["head_load/summary/text_summary"]
+    text = board.get(f"/data/plugin/text/text?{_query(run=RUN, tag='head_load/summary/text_summary')}")
+    html = text[-1]["text"]
+    assert "<table>" in html and "<td>5</td>\n<td>2 shared + top-4 of 6 routed</td>" in html
+    assert "most used routed head" in html and "Load of every head" in html
+
+    # HParams: one vocabulary, and the run's final metrics (not hp_metric = -1).
+    experiment = board.get("/data/plugin/hparams/experiment", {"experimentName": ""})
+    names = {info["name"] for info in experiment["hparamInfos"]}
+    assert set(HPARAMS) <= names
+    metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
+    assert metrics == {"val/acc1", "val/loss", "head_load_balance/final_load_entropy"}  # only what a ViT logs
+    assert "hp_metric" not in metrics
+    groups = board.get("/data/plugin/hparams/session_groups", {
+        "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                                  "STATUS_RUNNING"],
+        "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
+    assert len(groups) == 1
+    hparams = groups[0]["hparams"]
+    for name, value in HPARAMS.items():
+        assert hparams[name] == pytest.approx(value) if isinstance(value, float) else hparams[name] == value
+    values = {metric["name"]["tag"]: metric["value"] for metric in groups[0]["metricValues"]}
+    assert 0.0 <= values["val/acc1"] <= 1.0 and values["val/loss"] > 0
+    assert 0.5 < values["head_load_balance/final_load_entropy"] <= 1.0

@@ -5,6 +5,7 @@ the CSV logger's files, MLflow's default sqlite store and a tracking server on 1
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,8 +69,9 @@ class StopInStep5(Callback):
 
 
 def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = False) -> None:
-    """``moh fit`` stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it): in this process, or in a
-    process of its own (``process``) where only one shows what the logger does (a W&B service, a server's run)."""
+    """``moh fit`` stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it): in this process (the stop's
+    path is the same whatever the logger), or once in a process of its own (``process``), a server's run taken up by
+    the next process."""
     code = 143 if stop == "SIGTERM" else 130
     if not process:
         # As ctrl_c_restored does for a process: a background job (`bash .ci/run &`) starts with SIGINT ignored, and
@@ -83,10 +85,7 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = Fa
             signal.signal(signal.SIGINT, previous)
         assert exit_info.value.code == code
         return
-    # Without WANDB_SERVICE the child starts a W&B service of its own, as a `moh fit` from a shell does: one
-    # inherited from an earlier test here would still hold the killed run's id when the run is continued.
-    env = {**{key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"},
-           "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads()), "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     run = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *ARGS, *logger,
                             "--trainer.callbacks+=test_logger_runs.PauseInStep5"], cwd=folder, env=env,
                            stdout=open(folder / "out.txt", "w"), stderr=open(folder / "err.txt", "w"),
@@ -108,12 +107,12 @@ def _continue_and_validate(logger: list[str], capsys) -> str:
     return printed
 
 
-def _finish_wandb() -> None:
-    """Ends a W&B run as the end of a ``moh`` process does (its files are complete only then)."""
+def _finish_wandb(exit_code: int | None = None) -> None:
+    """Ends a W&B run as the end of a ``moh`` process does, with its exit code (its files are complete only then)."""
     import wandb
 
     if wandb.run is not None:
-        wandb.run.finish()
+        wandb.run.finish(exit_code=exit_code)
 
 
 def _assert_once_each(steps: dict[str, list[int]]) -> None:
@@ -155,9 +154,10 @@ def test_a_folder_logger_run_continues_in_its_folder_without_a_step_twice(kind, 
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
+def mlflow_server(tmp_path_factory, _empty_mlflow_store):
     """A local MLflow tracking server on 127.0.0.1, on MLflow's recommended sqlite store."""
     folder = tmp_path_factory.mktemp("mlflow_server")
+    shutil.copyfile(_empty_mlflow_store, folder / "mlflow.db")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -185,7 +185,7 @@ def mlflow_server(tmp_path_factory):
     ("sqlite", "SIGINT"),
     pytest.param("server", "SIGTERM", marks=pytest.mark.server)])
 def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, stop, run_dir, capsys, request,
-                                                                         mlflow_uri_unset):
+                                                                         mlflow_uri_unset, mlflow_store):
     from mlflow import MlflowClient
 
     logger = list(LOGGERS["mlflow"])
@@ -193,7 +193,7 @@ def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, 
         uri = request.getfixturevalue("mlflow_server")
         logger += ["--trainer.logger.init_args.tracking_uri", uri]
     else:
-        uri = f"sqlite:///{run_dir / 'mlflow.db'}"  # MLflow's default store, in the working folder
+        uri = mlflow_store(run_dir / "mlflow.db")  # MLflow's default store, in the working folder
     _fit_and_stop(run_dir, logger, stop, process=store == "server")  # one real server's run across processes
     printed = _continue_and_validate(logger, capsys)
     _assert_run_folder(run_dir)
@@ -217,7 +217,8 @@ def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, 
 
 
 def test_a_wandb_offline_run_is_continued_under_its_id_without_a_step_twice(run_dir, capsys):
-    _fit_and_stop(run_dir, LOGGERS["wandb"], "SIGINT", process=True)  # W&B's service and its run id
+    _fit_and_stop(run_dir, LOGGERS["wandb"], "SIGINT")
+    _finish_wandb(exit_code=130)
     printed = _continue_and_validate(LOGGERS["wandb"], capsys)
     _assert_run_folder(run_dir, head_load=False)  # a W&B run's head_load/ goes with its files
     parts = sorted((run_dir / RUN / "wandb").glob("offline-run-*"))

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from conftest import pythonpath
 from hf_families import train_tokenizer
 
 from moh_lightning.cli import main
@@ -78,12 +77,21 @@ def test_a_family_that_cannot_take_moh_stops_fit_as_it_stops_convert_hf(run_dir)
 
 
 @pytest.mark.slow
-def test_the_command_itself_prints_one_line_and_no_traceback(tmp_path):
-    env = {**os.environ, "PYTHONPATH": pythonpath(__file__)}
-    done = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main()", "generate",
-                           "--checkpoint", "nope.ckpt"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+def test_the_command_itself_prints_one_line_and_no_traceback_and_leaves_no_empty_inductor_folder(tmp_path):
+    """Run as a user runs it, in a process of its own. Importing Lightning makes torch's
+    `$TMPDIR/torchinductor_<user>` even where nothing is compiled; the command removes it again."""
+    work, tmpdir = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmpdir.mkdir()
+    # Without TORCHINDUCTOR_CACHE_DIR, which torch sets in this process once it has imported Inductor (a user's shell
+    # has none): the child would make its folder there and never in $TMPDIR.
+    env = {**{key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"},
+           "TMPDIR": str(tmpdir)}
+    done = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main()", "validate",
+                           "--config", "vit_tiny_mnist_75.yaml", "--ckpt_path", "nope.ckpt"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == ["moh generate: checkpoint nope.ckpt: no such file; give a .ckpt "
-                                                "written by `moh fit`."]
-    assert not list(tmp_path.iterdir())
+    assert done.stderr.strip().splitlines() == ["moh validate: --ckpt_path nope.ckpt: no such file; give a .ckpt "
+                                                "written by `moh fit` (or `last`, this run name's newest)."]
+    assert not list(work.iterdir())
+    assert not list(tmpdir.iterdir())

@@ -1,10 +1,8 @@
 """`moh --help` lists every command, Trainer loops and tools, each with one line (without importing any of them:
-tests/test_lean_imports.py); a mistyped command is one line naming the commands and the nearest."""
+tests/test_lean_imports.py); a mistyped command is one line naming the commands and the nearest. A command leaves no
+empty inductor folder in $TMPDIR: tests/cli/test_bad_input_walk.py, on its run of the command in a process."""
 import inspect
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 from lightning.pytorch.cli import LightningCLI
@@ -47,15 +45,6 @@ def test_each_line_is_the_first_sentence_of_what_runs_the_command(name):
 
 def test_the_loops_are_lightning_clis_subcommands():
     assert list(LOOPS) == list(LightningCLI.subcommands())
-
-
-@pytest.mark.slow
-def test_a_command_leaves_no_empty_inductor_folder_in_tmpdir(tmp_path):
-    """Importing Lightning makes torch's `$TMPDIR/torchinductor_<user>` even where nothing is compiled."""
-    shown = subprocess.run([sys.executable, "-c", "from moh_lightning.cli import main; main(['fit', '--help'])"],
-                           capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert shown.returncode == 0 and "--trainer" in shown.stdout
-    assert list(tmp_path.iterdir()) == []
 
 
 def _tool_help(name: str, capsys, monkeypatch) -> str:
