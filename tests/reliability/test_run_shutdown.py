@@ -3,7 +3,8 @@
 Each `moh fit` starts in a session of its own (each node of the 2-node run in its own); after each scenario no process
 of those sessions may remain, and whatever a failing test leaves is killed by PID. The runs are the exact-resume tests'
 embedded ViT (one block, 2 loader workers a rank, 7 steps, checkpoints every 3) on 2 gloo processes: forked by
-Lightning (`ddp_fork`) for the hung rank, one `moh fit` a node on loopback for the lost node. Rank 1 stops making
+Lightning (`ddp_fork`) for the hung rank, one `moh fit` a node on loopback for the lost node (whose uninterrupted
+reference is the same 2 ranks forked in the test process, as the DDP kill test's). Rank 1 stops making
 progress before step 4 (``faults.HangAtStep``), while rank 0 waits for it in that step's first collective.
 """
 from __future__ import annotations
