@@ -71,6 +71,17 @@ def _module_fixtures(item) -> list[str]:
                   and getattr(definitions[-1].func, "__module__", None) == getattr(module, "__name__", ""))
 
 
+@pytest.fixture(scope="session")
+def vit_ddp_uninterrupted(tmp_path_factory) -> Path:
+    """The exact-resume ViT run uninterrupted on 2 DDP ranks: the reference of the runs killed on every rank
+    (test_exact_resume.py) and of the run that lost a node (test_run_shutdown.py)."""
+    from exact_runs import VIT_DDP, fit
+
+    folder = tmp_path_factory.mktemp("vit_ddp") / "uninterrupted"
+    fit(folder, *VIT_DDP)
+    return folder
+
+
 @pytest.fixture
 def run_dir(tmp_path, monkeypatch):
     """An empty working folder, so relative run folders land in tmp and shipped configs resolve by name."""

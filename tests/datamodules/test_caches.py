@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 from transformers import PreTrainedTokenizerFast
 
 from moh_lightning.data.cache import FINGERPRINT
@@ -134,11 +133,11 @@ def _build_at_the_same_time(corpus: str, cache: str, barrier) -> None:
     token_arrays.tokenize_source(token_arrays.TextSource(path=corpus), "byte", Path(cache))
 
 
-@pytest.mark.slow  # two fresh interpreters import torch
 def test_two_processes_building_one_entry_leave_a_valid_cache(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(PYTHON)
-    context = multiprocessing.get_context("spawn")
+    # Forked, not spawned: two fresh interpreters importing torch took 20 s; the race is the same in either.
+    context = multiprocessing.get_context("fork")
     barrier = context.Barrier(2)
     workers = [context.Process(target=_build_at_the_same_time, args=(str(corpus), str(tmp_path / "cache"), barrier))
                for _ in range(2)]

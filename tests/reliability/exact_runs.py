@@ -31,6 +31,8 @@ VIT = ["--config", "vit_tiny_mnist_75.yaml", f"--trainer.max_steps={VIT_STEPS}",
        "--model.init_args.mixup_alpha=0.2", "--model.init_args.mixup_prob=0.5",
        "--checkpoint.every_n_train_steps=3", "--trainer.callbacks+=exact_runs.RecordBatches"]
 RUN = Path("runs") / "vit_tiny_mnist_75"
+# Two gloo processes forked from the test process by Lightning (`ddp_fork`), each with its own half of every batch.
+VIT_DDP = ["--trainer.strategy=ddp_fork", "--trainer.devices=2", "--trainer.accelerator=cpu"]
 
 
 def load_checkpoint(path: Path) -> dict:

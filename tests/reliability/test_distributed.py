@@ -1,7 +1,8 @@
 """Two-process DDP on CPU (gloo): agrees with one process over the same data (load-balance loss, head loads,
-weights), and `moh fit` trains every task under Lightning's DDP strategy."""
+weights), and `moh fit` trains every task under Lightning's DDP strategy, its forked ranks one thread each."""
 import csv
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -94,15 +95,27 @@ class RankState(Callback):
 
 
 @pytest.mark.parametrize("task", TASKS)  # a registered task with no case here fails
-def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(task, run_dir):
+def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(task, run_dir, monkeypatch, capfd):
     config, overrides = DDP_TASKS[task]
     if task == "language_model":
         write_text_corpus(run_dir / "corpus")
+    # The ViT is forked from a process of 2 OpenMP threads: forked ranks of more than one thread would hang in DDP's
+    # first broadcast (GNU OpenMP is not fork-safe; the test's timeout fails it), so they run one each and say so.
+    threads = 2 if task == "classification" else torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.ones(256, 256) @ torch.ones(256, 256)  # this process's OpenMP threads have run
     # Forked from this process (ddp_fork: Lightning's DDP strategy with the fork launcher), so no process imports
-    # the suite again; FSDP's test runs `moh` as its own processes, re-launched from the command line.
-    main(["fit", "--config", f"{config}.yaml", "--trainer.strategy=ddp_fork", "--trainer.devices=2",
-          "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
-          "--trainer.enable_progress_bar=false", *overrides, "--trainer.callbacks+=test_distributed.RankState"])
+    # the suite again; FSDP's test starts 2 processes of its own.
+    try:
+        main(["fit", "--config", f"{config}.yaml", "--trainer.strategy=ddp_fork", "--trainer.devices=2",
+              "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
+              "--trainer.enable_progress_bar=false", *overrides, "--trainer.callbacks+=test_distributed.RankState"])
+        assert (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]) == (threads, str(threads))  # its own, back
+    finally:
+        torch.set_num_threads(previous)
+    assert ("run one thread each" in capfd.readouterr().err) == (threads > 1)
     # DDP keeps the replicas identical: both ranks end with the same weights, bit for bit, and they are finite.
     rank0, rank1 = (torch.load(run_dir / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert rank0.keys() == rank1.keys()

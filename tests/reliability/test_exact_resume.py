@@ -31,6 +31,7 @@ from conftest import ctrl_c_restored, pythonpath, run_checkpoints
 from exact_runs import (
     RUN,
     VIT,
+    VIT_DDP,
     VIT_STEPS,
     SigtermInValidation,
     assert_same_run,
@@ -125,25 +126,18 @@ def test_dit_latent_flips_drawn_in_workers_resume_where_the_loader_stopped():
 # DDP: every process killed mid-epoch
 
 # Two gloo processes forked from this one (Lightning's ddp_fork: the same DDP training as `--trainer.strategy ddp`,
-# without importing torch twice more), each with its 2 loader workers and its own half of every batch.
-DDP = ["--trainer.strategy=ddp_fork", "--trainer.devices=2", "--trainer.accelerator=cpu"]
+# without importing torch twice more), each with its 2 loader workers and its own half of every batch; the
+# uninterrupted run (``vit_ddp_uninterrupted``, tests/conftest.py) is the lost-node test's reference too.
 
 
-@pytest.fixture(scope="module")
-def ddp_uninterrupted(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("vit_ddp") / "uninterrupted"
-    fit(folder, *DDP)
-    return folder
-
-
-def test_ddp_run_killed_mid_epoch_resumes_to_the_same_weights_as_the_uninterrupted_ddp_run(ddp_uninterrupted,
+def test_ddp_run_killed_mid_epoch_resumes_to_the_same_weights_as_the_uninterrupted_ddp_run(vit_ddp_uninterrupted,
                                                                                              tmp_path):
     folder = tmp_path / "killed"
     with pytest.raises(Exception, match="terminated with signal SIGKILL"):
-        fit(folder, *DDP, "--trainer.callbacks+=exact_runs.KillAtStep", "--trainer.callbacks.step=5")
+        fit(folder, *VIT_DDP, "--trainer.callbacks+=exact_runs.KillAtStep", "--trainer.callbacks.step=5")
     assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 3
-    fit(folder, *DDP, "--ckpt_path", "last")
-    assert_same_run(ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
+    fit(folder, *VIT_DDP, "--ckpt_path", "last")
+    assert_same_run(vit_ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
 
 
 # The DiT default shrunk the same way (2 blocks of width 64, 8 digits a batch; without its EMA and sample grids).
@@ -153,7 +147,7 @@ DDP_DIT = ["--config", "dit_mnist_90.yaml", f"--trainer.max_steps={VIT_STEPS}", 
            "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
            "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
            "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8", "--checkpoint.every_n_train_steps=3",
-           "--trainer.callbacks+=exact_runs.RecordBatches", *DDP]
+           "--trainer.callbacks+=exact_runs.RecordBatches", *VIT_DDP]
 
 
 def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):

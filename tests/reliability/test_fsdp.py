@@ -8,6 +8,7 @@ checkpoints) are the overlay's.
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,15 +47,17 @@ def _global_grad_norm(model: nn.Module) -> float:
 
 
 class FSDPProbe(Callback):
-    """Test helper loaded by the `moh` subprocesses: each rank writes its weight-decay group sizes (elements of its
-    shard) and each step's global gradient norm before and after clipping to ``probe<rank>.json``."""
+    """Test helper loaded by the `moh fit` processes: each rank writes the world size, its weight-decay group sizes
+    (elements of its shard) and each step's global gradient norm before and after clipping to ``probe<rank>.json``."""
 
     def __init__(self) -> None:
+        self.world_size = 0
         self.groups: list[tuple[float, int]] = []
         self.norms: list[tuple[float, float]] = []
         self._before = math.nan
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.world_size = trainer.world_size
         self.groups = [(group["weight_decay"], sum(p.numel() for p in group["params"]))
                        for group in trainer.optimizers[0].param_groups]
 
@@ -65,16 +68,60 @@ class FSDPProbe(Callback):
         self.norms.append((self._before, _global_grad_norm(trainer.strategy.model)))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        Path(f"probe{trainer.global_rank}.json").write_text(json.dumps({"groups": self.groups, "norms": self.norms}))
+        Path(f"probe{trainer.global_rank}.json").write_text(json.dumps({"world_size": self.world_size,
+                                                                         "groups": self.groups, "norms": self.norms}))
 
 
-def _moh_fit(run_dir: Path, config: str, overrides: list[str]) -> subprocess.CompletedProcess:
-    args = [str(Path(sys.executable).with_name("moh")), "fit", "--config", f"{config}.yaml", "--config", "fsdp.yaml",
+# Every task's `moh fit` one after another in the same 2 processes, which the test starts with an external launcher's
+# environment (LOCAL_RANK and the rest, as torchrun sets them), so Lightning launches none and each task's fit joins
+# the process group of the first: 2 interpreters import torch once, not once a task.
+FIT_EACH = """
+import json, os, sys
+from moh_lightning.cli import main
+for folder, args in json.loads(sys.argv[1]):
+    os.chdir(folder)
+    main(args)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _fit_every_task(root: Path) -> None:
+    runs = []
+    for task, (_, config, overrides) in FSDP_TASKS.items():
+        (root / task).mkdir()
+        if task == "language_model":
+            write_text_corpus(root / task / "corpus")
+        runs.append((str(root / task), [
+            "fit", "--config", f"{config}.yaml", "--config", "fsdp.yaml",
             "--trainer.strategy.class_path=cpu_fsdp.CPUFSDPStrategy", "--trainer.accelerator=cpu",
             "--trainer.devices=2", "--trainer.precision=32-true", "--trainer.max_steps=3",
-            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides]
-    return subprocess.run(args, cwd=run_dir, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__)})
+            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides,
+            f"--trainer.gradient_clip_val={CLIP}", "--trainer.callbacks+=test_fsdp.FSDPProbe",
+            "--throughput.window_size=2"]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    ranks = [subprocess.Popen([sys.executable, "-c", FIT_EACH, json.dumps(runs)], cwd=root,
+                              env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
+                              stdout=open(root / f"out{rank}.txt", "w"), stderr=open(root / f"err{rank}.txt", "w"))
+             for rank in (0, 1)]
+    try:
+        codes = [rank.wait(timeout=600) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert codes == [0, 0], (root / "err0.txt").read_text()[-3000:] + (root / "err1.txt").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp")
+    _fit_every_task(root)
+    return root
 
 
 # The DDP test's shrunk configs; DiT without its EMA and sample-grid callbacks, which FSDP cannot run (below), so
@@ -106,15 +153,11 @@ def test_weight_decay_by_layer_type_equals_the_shape_rules_on_unsharded_models()
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("task", TASKS)  # a registered task with no case here fails
-def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(task, run_dir):
-    task_class, config, overrides = FSDP_TASKS[task]
-    if task == "language_model":
-        write_text_corpus(run_dir / "corpus")
-    result = _moh_fit(run_dir, config, [*overrides, f"--trainer.gradient_clip_val={CLIP}",
-                                        "--trainer.callbacks+=test_fsdp.FSDPProbe", "--throughput.window_size=2"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Starting with 2 processes" in result.stdout + result.stderr
+def test_moh_fit_trains_every_task_under_lightning_fsdp_with_two_cpu_processes(task, fsdp_runs):
+    task_class = FSDP_TASKS[task][0]
+    run_dir = fsdp_runs / task
     probes = [json.loads((run_dir / f"probe{rank}.json").read_text()) for rank in (0, 1)]
+    assert [probe["world_size"] for probe in probes] == [2, 2]
 
     # FSDP's clip_grad_norm_ scales both ranks' shards by one factor from the global norm, so the whole gradient
     # ends at the clip value (clipping each shard by its own norm would leave up to sqrt(2) x CLIP).

@@ -3,7 +3,8 @@
 Each `moh fit` starts in a session of its own (each node of the 2-node run in its own); after each scenario no process
 of those sessions may remain, and whatever a failing test leaves is killed by PID. The runs are the exact-resume tests'
 embedded ViT (one block, 2 loader workers a rank, 7 steps, checkpoints every 3) on 2 gloo processes: forked by
-Lightning (`ddp_fork`) for the hung rank, one `moh fit` a node on loopback for the lost node. Rank 1 stops making
+Lightning (`ddp_fork`) for the hung rank, one `moh fit` a node on loopback for the lost node (whose uninterrupted
+reference is the same 2 ranks forked in the test process, as the DDP kill test's). Rank 1 stops making
 progress before step 4 (``faults.HangAtStep``), while rank 0 waits for it in that step's first collective.
 """
 from __future__ import annotations
@@ -175,12 +176,9 @@ def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
 
 
 @DISTRIBUTED
-def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_path):
-    expected = tmp_path / "uninterrupted"
-    for n, node in enumerate(_two_nodes(runs, expected)):
-        code, err = _exit_code(node, expected, n, timeout=600)
-        assert code == 0, err
-
+def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_path, vit_ddp_uninterrupted):
+    """The reference is the uninterrupted 2-rank run forked in the test process: the same 2 gloo ranks of one process
+    each, global ranks, samplers and seeds as the 2 nodes' (measured: bit-identical), without 2 more interpreters."""
     folder = tmp_path / "lost"
     survivor, lost = _two_nodes(runs, folder, "--trainer.callbacks+=faults.KillNodeAtStep",
                                 "--trainer.callbacks.step=5")
@@ -201,7 +199,7 @@ def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_p
     for n, node in enumerate(_two_nodes(runs, folder, "--ckpt_path", "last"), start=2):
         code, err = _exit_code(node, folder, n, timeout=600)
         assert code == 0, err
-    assert_same_run(expected, folder)
+    assert_same_run(vit_ddp_uninterrupted, folder)
     assert f"Restoring states from the checkpoint path at {LAST}" in (folder / "err2.txt").read_text()
     runs.assert_none_left()
 

@@ -18,7 +18,7 @@ def _corpus(folder: Path, seed: int) -> Path:
     folder.mkdir()
     rng = torch.Generator().manual_seed(seed)
     for i in range(6):
-        words = torch.randint(0, 50, (3000,), generator=rng).tolist()
+        words = torch.randint(0, 50, (1000,), generator=rng).tolist()
         folder.joinpath(f"f{i}.py").write_text("\n".join(f"def f{w}(x):\n    return x + {w}" for w in words))
     return folder
 
@@ -26,7 +26,7 @@ def _corpus(folder: Path, seed: int) -> Path:
 def _fit(corpus: Path, *extra: str) -> None:
     sources = f"[{{path: {corpus}, pattern: '*.py', val_fraction: 0.3}}]"
     main(["fit", "--config", "llm_stdlib_75.yaml", "--data.init_args.sources", sources,
-          "--model.init_args.max_tokens", "8192", "--data.init_args.batch_size", "4", "--data.init_args.seq_len", "64",
+          "--model.init_args.max_tokens", "2048", "--data.init_args.batch_size", "4", "--data.init_args.seq_len", "64",
           "--model.init_args.arch.block_size", "64", "--model.init_args.arch.depth", "1",
           "--model.init_args.arch.embed_dim", "64", "--model.init_args.arch.head_dim", "8",
           "--model.init_args.arch.intermediate_size", "128", "--trainer.val_check_interval", "4",
@@ -71,9 +71,9 @@ def test_resuming_with_other_data_stops_in_one_line_and_keeps_the_run(run_dir, c
 
 def test_a_resumed_run_continues_in_its_own_folder_and_a_fresh_one_gets_a_new_one(run_dir):
     corpus = _corpus(run_dir / "corpus", 0)
-    _fit(corpus, "--model.init_args.max_tokens", "4096")
+    _fit(corpus, "--model.init_args.max_tokens", "1024")
     run = run_dir / "runs" / "llm_stdlib_75"
-    _fit(corpus, "--model.init_args.max_tokens", "4096", "--trainer.max_steps", "24", "--ckpt_path", "last")
+    _fit(corpus, "--model.init_args.max_tokens", "1024", "--trainer.max_steps", "24", "--ckpt_path", "last")
     assert [p.name for p in run.iterdir() if p.name.startswith("version_")] == ["version_0"]
     _fit(corpus)  # without --ckpt_path: a new run of the same name, beside the first
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
@@ -116,7 +116,7 @@ def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, caps
     # Another head budget is another experiment: by default a run of its own name (llm_stdlib_62), and under the
     # same name, refused.
     with pytest.raises(SystemExit) as stop:
-        _fit(corpus, "--model.init_args.max_tokens", "8192", "--model.init_args.arch.moh.top_k", "1",
+        _fit(corpus, "--model.init_args.max_tokens", "2048", "--model.init_args.arch.moh.top_k", "1",
              "--trainer.logger.init_args.name", "llm_stdlib_75", "--ckpt_path", "last")
     assert "model.init_args.arch.moh.top_k" in str(stop.value) and "max_tokens" not in str(stop.value)
 
