@@ -35,6 +35,10 @@ def ctrl_c_restored() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# The session's one shared training run (two DDP processes): its tests run on one worker, which builds it once.
+SHARED_RUN = "vit_ddp_uninterrupted"
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Distributed and server tests are slow as well, so that ``-m "not slow"`` leaves them out.
 
@@ -50,6 +54,8 @@ def pytest_collection_modifyitems(items) -> None:
         shared = _module_fixtures(item)
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{shared[0]}"))
+        elif SHARED_RUN in getattr(item, "fixturenames", ()) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(SHARED_RUN))  # built once for the modules that compare with it
     rank: dict[str, int] = {}
     for item in items:
         group = item.get_closest_marker("xdist_group")
