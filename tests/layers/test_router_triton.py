@@ -190,7 +190,7 @@ def test_route_op_with_triton_passes_equals_pytorch_passes(dtype, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("stats", [False, True])
-# Interpreted, float32 alone (the dtype whose outputs once aliased; opcheck's compile takes most of a minute there):
+# Interpreted, float32 alone (the dtype whose outputs once aliased; the longest interpreted cases are opcheck's):
 # the other dtypes' outputs are test_route_op_with_triton_passes_equals_pytorch_passes's, and opcheck's on CUDA.
 @pytest.mark.parametrize("dtype", [torch.float32] if INTERPRETED else DTYPES)
 def test_route_op_with_triton_passes_passes_opcheck(dtype, stats, monkeypatch):
