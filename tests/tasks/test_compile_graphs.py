@@ -22,16 +22,13 @@ from moh_lightning.layers.moh_attention import compile_blocks, model_blocks
 CONFIGS = ["vit_tiny_mnist_75.yaml", "dit_mnist_75.yaml", "llm_stdlib_75.yaml", "moh_transnext_mnist_75.yaml",
            "vit_s_75.yaml", "dit_s2_75.yaml", "llm_s_75.yaml", "moh_transnext_small_75.yaml", "continue_hf_75.yaml"]
 # Heads of 8 channels and small inputs; what makes a block differ from another (budgets, rates, stages) is kept.
-# TransNeXt keeps its four stages, each a shape of its own, at one block each but two in the second: blocks of one
-# shape and different drop-path rates still share their graph, as the shipped depths' further blocks would.
 SMALL = {"ImageClassifier": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "head_dim": 8, "mlp_ratio": 1.0,
                              "num_classes": 10},
          "ClassConditionalDiffusion": {"img_size": None, "input_size": 8, "embed_dim": 32, "head_dim": 8,
                                        "mlp_ratio": 1.0, "num_classes": 10},
          "LanguageModel": {"embed_dim": 32, "head_dim": 8, "intermediate_size": 32, "vocab_size": 64,
                            "block_size": 16},
-         "TransNeXtClassifier": {"img_size": 32, "patch_size": 2, "mlp_ratio": 1.0, "num_classes": 10,
-                                 "depth": [1, 2, 1, 1]}}
+         "TransNeXtClassifier": {"img_size": 32, "patch_size": 2, "mlp_ratio": 1.0, "num_classes": 10}}
 
 
 def _small_task(name: str):
