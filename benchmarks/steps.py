@@ -48,7 +48,8 @@ LIBRARIES = ("torch", "triton", "liger-kernel", "lightning", "timm")
 
 
 def bench(device: str = "cpu", output: str = "results/gpu/steps.json", repeats: int = 5, warmup: int = 2,
-          compiled: bool = True, compile_backend: str = "inductor", quick: bool = False) -> Path:
+          compiled: bool = True, compile_backend: str = "inductor", quick: bool = False,
+          configs: list[str] | None = None) -> Path:
     """Each task's MoH training step against its dense config: eager, and on CUDA compiled too.
 
     Rows into ``output`` (a row of the same config, compile asked and device replaced) and a page beside it.
@@ -63,9 +64,17 @@ def bench(device: str = "cpu", output: str = "results/gpu/steps.json", repeats: 
         compile_backend: ``torch.compile`` backend of the compiled rows (``aot_eager`` compiles in seconds).
         quick: The CPU defaults at batch 2, eager and compiled on any device: the GPU call's dry run
             (``benchmarks/run.sh --dry-run``).
+        configs: Only the pairs of these MoH configs (the dry run's one pair); None: every pair of the set.
     """
     compiled = compiled and (torch.device(device).type == "cuda" or quick)
-    return bench_steps(device, output, compiled, repeats, warmup, backend=compile_backend, quick=quick)
+    pairs = None
+    if configs is not None:
+        run_on = torch.device(device).type
+        pairs = [pair for pair in (QUICK_PAIRS if quick else GPU_PAIRS if run_on == "cuda" else CPU_PAIRS)
+                 if pair[0] in configs]
+        if len(pairs) != len(configs):
+            raise SystemExit(f"benchmarks/steps.py: --configs {configs}: not all among the pairs' MoH configs.")
+    return bench_steps(device, output, compiled, repeats, warmup, pairs, backend=compile_backend, quick=quick)
 
 
 def bench_steps(device: str = "cuda", output: str = "results/gpu/steps.json", compiled: bool = True,

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import shutil
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import torch_fidelity.utils
 from golden import load_golden
 from torch import nn
 from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
@@ -45,56 +48,108 @@ def _digits(n: int, seed: int) -> np.ndarray:
     return images[np.random.default_rng(seed).choice(len(images), n, replace=False)]
 
 
-@pytest.mark.slow
-def test_spatial_feature_is_mixed_6d_branch1x1_first_7_channels_hwc(inception_weights):
-    net = SpatialInceptionV3("t", [SFID_FEATURE, "2048"], feature_extractor_weights_path=inception_weights)
+def _offline(*args, **kwargs):
+    from urllib.error import URLError
+
+    raise URLError("[Errno -3] Temporary failure in name resolution")
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    """Six digits: enough for precision and recall's 3 neighbours; every image costs an Inception pass at 299x299."""
+    return _digits(6, 1)
+
+
+@pytest.fixture(scope="module")
+def scored(inception_weights, reference, tmp_path_factory) -> dict:
+    """The pipeline's three runs, read by the tests below (each Fréchet distance takes the eigenvalues of a 2048 x
+    2048 matrix, seconds on a CPU whatever the image count). ``moh fidelity`` scores an ``.npz`` of the reference
+    against a folder of the same images offline: no ``--weights``, the file in torch hub's checkpoints folder, every
+    download failing; it caches the reference's features. Then two noisy copies of the reference against them: the
+    first offline again (the cache's entry reused), the second with the weights file given (an entry of its own:
+    another network's features are never reused)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("fidelity")
+    hub = root / "torch" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    shutil.copy(inception_weights, hub / INCEPTION_FILE)
+    np.savez(root / "samples.npz", arr_0=reference)
+    folder = root / "folder"
+    folder.mkdir()
+    for i, image in enumerate(reference):
+        Image.fromarray(image).save(folder / f"{i:03d}.png")
+    cache, out = root / "cache", root / "metrics.json"
+    rng = np.random.default_rng(0)
+    noisy = [np.clip(reference.astype(np.float32) + rng.normal(0, sigma, reference.shape), 0, 255).astype(np.uint8)
+             for sigma in (20, 120)]
+    reads, extract = [], torch_fidelity.utils.get_featuresdict_from_dataset
+
+    def counted(dataset, *args, **kwargs):
+        reads.append(len(dataset))
+        return extract(dataset, *args, **kwargs)
+    with mock.patch.dict(os.environ, {"TORCH_HOME": str(root / "torch")}), \
+            mock.patch("torch.hub.download_url_to_file", _offline), \
+            mock.patch("torch_fidelity.utils.get_featuresdict_from_dataset", counted):
+        main(["fidelity", "--samples", str(root / "samples.npz"), "--reference", str(folder), "--cache_name", "ref",
+              "--cache_root", str(cache), "--batch_size", "6", "--out", str(out)])
+        cached = sorted(cache.rglob("*"))
+        counts = [sum(reads)]
+        perturbed = []
+        for images, weights in zip(noisy, (None, inception_weights), strict=True):
+            perturbed.append(compute_fidelity(images, reference, "ref", weights, batch_size=6, cache_root=str(cache)))
+            counts.append(sum(reads) - sum(counts))
+    return {"same": json.loads(out.read_text()), "folder": load_images(str(folder)), "cached": cached,
+            "perturbed": perturbed, "images_read": counts}
+
+
+@pytest.fixture(scope="module")
+def direct(inception_weights, reference) -> dict:
+    """The reference through the network itself: its logits, pool features, sFID feature and Mixed_6d's 1x1 map."""
+    net = SpatialInceptionV3("t", [SFID_FEATURE, "2048", "logits_unbiased"],
+                             feature_extractor_weights_path=inception_weights)
     captured = {}
     net.Mixed_6d.branch1x1.register_forward_hook(lambda m, i, o: captured.setdefault("map", o.clone()))
-    x = torch.from_numpy(_digits(2, 0)).permute(0, 3, 1, 2).contiguous()
-    spatial, pooled = net(x)
-    assert spatial.shape == (2, 17 * 17 * 7) and pooled.shape == (2, 2048)
-    expected = captured["map"][:, :7].permute(0, 2, 3, 1).reshape(2, -1)  # height, width, channel
-    torch.testing.assert_close(spatial, expected)
-    assert captured["map"].shape[1:] == (192, 17, 17)
-    alone, = SpatialInceptionV3("t", [SFID_FEATURE], feature_extractor_weights_path=inception_weights)(x)
-    torch.testing.assert_close(alone, spatial)
+    x = torch.from_numpy(reference).permute(0, 3, 1, 2).contiguous()
+    with torch.no_grad():
+        spatial, pool, logits = net(x)
+    return {"x": x, "spatial": spatial, "pool": pool, "logits": logits, "map": captured["map"]}
 
 
 @pytest.mark.slow
-def test_metrics_identity_perturbation_and_cache(inception_weights, tmp_path):
-    reference = _digits(12, 1)
-    same = compute_fidelity(reference, reference, "ref", inception_weights, batch_size=12, cache_root=str(tmp_path))
+def test_spatial_feature_is_mixed_6d_branch1x1_first_7_channels_hwc(inception_weights, direct):
+    spatial, n = direct["spatial"], len(direct["x"])
+    assert spatial.shape == (n, 17 * 17 * 7) and direct["pool"].shape == (n, 2048)
+    expected = direct["map"][:, :7].permute(0, 2, 3, 1).reshape(n, -1)  # height, width, channel
+    torch.testing.assert_close(spatial, expected)
+    assert direct["map"].shape[1:] == (192, 17, 17)
+    with torch.no_grad():
+        alone, = SpatialInceptionV3("t", [SFID_FEATURE], feature_extractor_weights_path=inception_weights)(
+            direct["x"][:2])
+    torch.testing.assert_close(alone, spatial[:2])
+
+
+@pytest.mark.slow
+def test_metrics_identity_perturbation_and_cache(scored, reference):
+    same = scored["same"]
     assert abs(same["fid"]) < 1e-2 and abs(same["sfid"]) < 1e-2
     assert same["precision"] == pytest.approx(1.0) and same["recall"] == pytest.approx(1.0)
-    assert any(tmp_path.iterdir()), "reference statistics were not cached"
-
-    rng = np.random.default_rng(0)
-    scores = []
-    for sigma in (20, 120):
-        noisy = np.clip(reference.astype(np.float32) + rng.normal(0, sigma, reference.shape), 0, 255).astype(np.uint8)
-        scores.append(compute_fidelity(noisy, reference, "ref", inception_weights, batch_size=12,
-                                       cache_root=str(tmp_path)))
-    assert 0 < scores[0]["fid"] < scores[1]["fid"]
-    assert 0 < scores[0]["sfid"] < scores[1]["sfid"]
-    for score in scores:
+    assert scored["cached"], "reference statistics were not cached"
+    # Images through Inception: both sets, then the noisy ones alone (the reference's features from the cache), then
+    # both again (other weights, another entry).
+    n = len(reference)
+    assert scored["images_read"] == [2 * n, n, 2 * n]
+    low, high = scored["perturbed"]
+    assert 0 < low["fid"] < high["fid"]
+    assert 0 < low["sfid"] < high["sfid"]
+    for score in scored["perturbed"]:
         assert 0.0 <= score["precision"] <= 1.0 and 0.0 <= score["recall"] <= 1.0
 
 
 @pytest.mark.slow
-def test_fidelity_tool_on_npz_and_folder(inception_weights, tmp_path):
-    from PIL import Image
-
-    images = _digits(8, 2)
-    np.savez(tmp_path / "samples.npz", arr_0=images)
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    for i, image in enumerate(images):
-        Image.fromarray(image).save(folder / f"{i:03d}.png")
-    np.testing.assert_array_equal(load_images(str(folder)), images)
-    out = tmp_path / "metrics.json"
-    main(["fidelity", "--samples", str(tmp_path / "samples.npz"), "--reference", str(folder),
-          "--weights", inception_weights, "--cache_root", str(tmp_path / "cache"), "--out", str(out)])
-    result = json.loads(out.read_text())
+def test_fidelity_tool_on_npz_and_folder(scored, reference, inception_weights, tmp_path):
+    np.testing.assert_array_equal(scored["folder"], reference)
+    result = scored["same"]  # `moh fidelity` on the .npz against the folder
     assert abs(result["fid"]) < 1e-2 and set(result) >= {"fid", "sfid", "inception_score", "precision", "recall"}
     with pytest.raises(SystemExit, match="--samples"):
         main(["fidelity", "--samples", str(tmp_path / "missing.npz"), "--weights", inception_weights])
@@ -121,24 +176,13 @@ def test_inception_score_equals_adms_evaluator_at_any_sample_count(n):
 
 
 @pytest.mark.slow
-def test_fidelity_scores_is_on_the_inception_logits(inception_weights):
+def test_fidelity_scores_is_on_the_inception_logits(scored, direct):
     """The IS of ``compute_fidelity`` is that of the network's unbiased logits (ADM's softmax input), not of the
     2048-d pool features."""
-    images = _digits(12, 3)
-    net = SpatialInceptionV3("t", ["logits_unbiased", "2048"], feature_extractor_weights_path=inception_weights)
-    with torch.no_grad():
-        logits, pool = net(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous())
-    result = compute_fidelity(images, images, None, inception_weights, batch_size=6)
     # A random network scores barely above 1: compare log IS, the mean KL itself.
-    expected = math.log(inception_score(logits)[0])
-    assert math.log(result["inception_score"]) == pytest.approx(expected, rel=1e-3)
-    assert math.log(inception_score(pool)[0]) != pytest.approx(expected, rel=0.2)
-
-
-def _offline(*args, **kwargs):
-    from urllib.error import URLError
-
-    raise URLError("[Errno -3] Temporary failure in name resolution")
+    expected = math.log(inception_score(direct["logits"])[0])
+    assert math.log(scored["same"]["inception_score"]) == pytest.approx(expected, rel=1e-3)
+    assert math.log(inception_score(direct["pool"])[0]) != pytest.approx(expected, rel=0.2)
 
 
 def test_offline_names_one_file_and_the_folder_torch_fidelity_reads(tmp_path, monkeypatch):
@@ -161,14 +205,6 @@ def test_offline_names_one_file_and_the_folder_torch_fidelity_reads(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_weights_in_that_folder_are_used_offline(inception_weights, tmp_path, monkeypatch):
-    import shutil
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    folder = tmp_path / "torch" / "hub" / "checkpoints"
-    folder.mkdir(parents=True)
-    shutil.copy(inception_weights, folder / INCEPTION_FILE)
-    images = _digits(6, 4)
-    with mock.patch("torch.hub.download_url_to_file", _offline):  # a download would fail
-        result = compute_fidelity(images, images, None, batch_size=6)
-    assert abs(result["fid"]) < 1e-2
+def test_weights_in_that_folder_are_used_offline(scored):
+    """``scored``'s ``moh fidelity`` ran with no ``--weights``, the file in torch hub's folder, downloads failing."""
+    assert abs(scored["same"]["fid"]) < 1e-2

@@ -1,10 +1,11 @@
 """timm's model contract for every model the suite registers, checked as timm's tests/test_models.py checks its own.
 
-Each model is built tiny (a few pixels, narrow heads, one block per TransNeXt stage) with its own head budget, so the
-whole registry runs in seconds on a CPU.
+Each model is built tiny (a few pixels, narrow heads, three ViT blocks, one block per TransNeXt stage) with its own
+head budget, so the whole registry runs in seconds on a CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -27,7 +28,13 @@ TRACED = [pytest.param(name, marks=() if name in FAST else pytest.mark.slow) for
 def _tiny(name: str) -> tuple[dict, int]:
     """Overrides that keep the named model's heads and budget at a few pixels, and the input side they give."""
     if name in vit.NAMED_VITS:
-        return {"img_size": 32, "embed_dim": 8 * vit.named_vit_config(name).num_heads}, 32
+        config = vit.named_vit_config(name)
+        # Three blocks, the last three that features_only returns; a per-layer budget keeps its first, middle and
+        # last layers' top-k, so a change of top-k between blocks is still traced.
+        top_k = config.moh.top_k
+        moh = {**dataclasses.asdict(config.moh),
+               "top_k": [top_k[0], top_k[len(top_k) // 2], top_k[-1]] if isinstance(top_k, list) else top_k}
+        return {"img_size": 32, "embed_dim": 8 * config.num_heads, "depth": 3, "moh": moh}, 32
     heads = transnext.transnext_config(name).stage("num_heads")
     return {"img_size": 64, "depth": 1, "embed_dim": [8 * h for h in heads]}, 64
 
@@ -46,7 +53,8 @@ def test_every_named_model_is_registered_with_timm():
 
 @pytest.mark.slow
 def test_importing_the_models_registers_them():
-    code = ("import moh_lightning.models, timm; timm.create_model('moh_vit_small_patch16_224_75'); "
+    code = ("import moh_lightning.models, timm; timm.create_model('moh_vit_small_patch16_224_75', img_size=32, "
+            "embed_dim=48); "
             f"print(sorted(timm.list_models(module={MODULES!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(sorted(NAMES))
