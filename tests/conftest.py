@@ -39,6 +39,7 @@ def ctrl_c_restored() -> None:
 SHARED_RUN = "vit_ddp_uninterrupted"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns each xdist_group mark into the test's group
 def pytest_collection_modifyitems(items) -> None:
     """Distributed and server tests are slow as well, so that ``-m "not slow"`` leaves them out.
 
@@ -51,9 +52,8 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if item.get_closest_marker("distributed") or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.slow)
-        shared = _module_fixtures(item)
-        if shared and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{shared[0]}"))
+        if _module_fixtures(item) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         elif SHARED_RUN in getattr(item, "fixturenames", ()) and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(SHARED_RUN))  # built once for the modules that compare with it
     rank: dict[str, int] = {}
@@ -64,6 +64,22 @@ def pytest_collection_modifyitems(items) -> None:
             2 if item.get_closest_marker("slow") else 3
         rank[item.fspath] = min(rank.get(item.fspath, 3), cost)
     items.sort(key=lambda item: rank[item.fspath])  # stable: each module's own order kept
+    if items and getattr(items[0].config.option, "loadgroup", False):  # set on an xdist worker with --dist loadgroup
+        _group_ids(items)
+
+
+def _group_ids(items) -> None:
+    """The ``@group`` suffix of each grouped test's id, by which pytest-xdist's scheduler keeps a group on one worker.
+
+    pytest-xdist 3.8 writes it into ``item._nodeid``, which pytest 9.2 no longer reads (a node's id is ``item._id``):
+    without this, every group is silently spread over both workers. Done here as xdist's own hook would."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 def _module_fixtures(item) -> list[str]:
