@@ -52,9 +52,11 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if item.get_closest_marker("distributed") or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.slow)
-        if _module_fixtures(item) and not item.get_closest_marker("xdist_group"):
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if _uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-        elif SHARED_RUN in getattr(item, "fixturenames", ()) and not item.get_closest_marker("xdist_group"):
+        elif SHARED_RUN in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group(SHARED_RUN))  # built once for the modules that compare with it
     rank: dict[str, int] = {}
     for item in items:
@@ -82,15 +84,15 @@ def _group_ids(items) -> None:
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
-def _module_fixtures(item) -> list[str]:
-    """The fixtures of ``item``'s own module that live longer than a test, by name."""
+def _uses_module_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture of its own module that lives longer than a test."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
-        return []
+        return False
     module = getattr(item, "module", None)
-    return sorted(name for name, definitions in info.name2fixturedefs.items()
-                  if definitions[-1].scope in ("module", "class", "package", "session")
-                  and getattr(definitions[-1].func, "__module__", None) == getattr(module, "__name__", ""))
+    return any(definitions[-1].scope in ("module", "class", "package", "session")
+               and getattr(definitions[-1].func, "__module__", None) == getattr(module, "__name__", "")
+               for definitions in info.name2fixturedefs.values())
 
 
 @pytest.fixture(scope="session")
