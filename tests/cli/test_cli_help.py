@@ -47,6 +47,19 @@ def test_the_loops_are_lightning_clis_subcommands():
     assert list(LOOPS) == list(LightningCLI.subcommands())
 
 
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_loop_builds_the_parser_of_its_own_command_only(command, monkeypatch, capsys):
+    # The other loops' parsers were most of a command's start; their options still parse (tests/test_docs.py).
+    built = []
+    prepare = LightningCLI._prepare_subcommand_parser
+    monkeypatch.setattr(LightningCLI, "_prepare_subcommand_parser",
+                        lambda cli, trainer, name, **kw: built.append(name) or prepare(cli, trainer, name, **kw))
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--config", "vit_tiny_mnist_75.yaml", "--print_config"])
+    assert exit_info.value.code in (0, None) and "model:" in capsys.readouterr().out
+    assert built == [command]
+
+
 def _tool_help(name: str, capsys, monkeypatch) -> str:
     monkeypatch.setenv("COLUMNS", "1000")  # a paragraph or an option's help a line each: nothing wrapped at a hyphen
     with pytest.raises(SystemExit) as exit_info:
