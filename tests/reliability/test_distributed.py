@@ -17,6 +17,7 @@ from moh_lightning import MoHAttention, pop_load_balance_loss
 from moh_lightning.callbacks import HeadLoadCallback
 from moh_lightning.cli import main
 from moh_lightning.tasks import TASKS
+from moh_lightning.trainer_cli import threads_restored
 
 pytestmark = pytest.mark.distributed
 
@@ -55,11 +56,15 @@ class TinyMoH(LightningModule):
 
 def _fit(root: Path, devices: int) -> tuple[dict[str, torch.Tensor], list[dict[str, str]]]:
     model = TinyMoH()
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+    # The 2 processes forked from this one (not spawned: each would import torch again), one thread each as
+    # `moh fit` runs forked ranks (tests/cli/test_fork_threads.py), and the weights of rank 0 come back to `model`.
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_fork" if devices > 1 else "auto",
                       max_steps=STEPS, log_every_n_steps=1, logger=CSVLogger(root, name="", version=""),
                       callbacks=[HeadLoadCallback(log_every_n_steps=1)], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(model)
+    with threads_restored():
+        torch.set_num_threads(1)
+        trainer.fit(model)
     with open(root / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     return model.state_dict(), rows

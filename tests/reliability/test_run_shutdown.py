@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from contextlib import suppress
 from datetime import timedelta
@@ -22,9 +20,9 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from conftest import pythonpath
 from exact_runs import RUN, VIT, assert_same_run, load_checkpoint
 from lightning.pytorch.strategies import DDPStrategy
+from moh_process import MohProcess, start_moh
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
@@ -41,18 +39,17 @@ AGAIN = "Continue with the same command and --ckpt_path last."
 
 
 class Runs:
-    """The `moh fit` processes a test starts, each the leader of a session of its own, and what is left of them."""
+    """The `moh fit` processes a test starts, each forked from this one as the leader of a session of its own (see
+    tests/moh_process.py), and what is left of them."""
 
     def __init__(self) -> None:
-        self.leaders: list[subprocess.Popen] = []
+        self.leaders: list[MohProcess] = []
 
-    def start(self, folder: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, folder: Path, *args: str, env: dict[str, str] | None = None) -> MohProcess:
         folder.mkdir(exist_ok=True)
         n = len(list(folder.glob("err*.txt")))  # err0.txt, err1.txt, ... in the order started in this folder
-        env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": "1", **(env or {})}
-        process = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *VIT, *args], cwd=folder,
-                                   env=env, stdout=open(folder / f"out{n}.txt", "w"),
-                                   stderr=open(folder / f"err{n}.txt", "w"), start_new_session=True)
+        process = start_moh(["fit", *VIT, *args], folder, {**os.environ, **(env or {})}, stdout=folder / f"out{n}.txt",
+                            stderr=folder / f"err{n}.txt")
         self.leaders.append(process)
         return process
 
@@ -84,14 +81,14 @@ def runs():
     started.kill_all()
 
 
-def _wait_for(path: Path, run: subprocess.Popen, seconds: float = 300) -> None:
+def _wait_for(path: Path, run: MohProcess, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists():
         assert run.poll() is None and time.monotonic() < deadline, f"{path.name} never appeared"
         time.sleep(0.05)
 
 
-def _exit_code(run: subprocess.Popen, folder: Path, n: int, timeout: float) -> tuple[int, str]:
+def _exit_code(run: MohProcess, folder: Path, n: int, timeout: float) -> tuple[int, str]:
     """The run's exit status, with the end of what it wrote to ``err<n>.txt`` for the assertion's message."""
     code = run.wait(timeout=timeout)
     return code, (folder / f"err{n}.txt").read_text()[-3000:]
@@ -167,7 +164,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
+def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[MohProcess]:
     """`moh fit` twice, as on two machines of one process each that share the run folder (NODE_RANK 0 and 1)."""
     address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     return [runs.start(folder, "--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1",
