@@ -4,9 +4,9 @@ loss and bit for bit in its final weights.
 1. The ViT runs are the embedded ViT shrunk to seconds (one block, 16 images a batch, 5 batches an epoch, 7 steps,
    every random augmentation on, 2 loader workers, checkpoints every 3 steps), so a stop at step 5 resumes mid-epoch 0
    from the step-3 checkpoint and continues across the epoch boundary. They are stopped by a crash (and resumed past
-   a truncated `last.ckpt`) and by Ctrl-C; one uninterrupted run is the reference for both (validation changes no
-   training draw: ``ExactResumeCallback`` puts the random states back after it). A run of 2 DDP processes, all of
-   them ended mid-epoch, resumes exactly in test_run_shutdown.py (a lost node).
+   a truncated `last.ckpt` and a damaged step checkpoint) and by Ctrl-C; one uninterrupted run is the reference for
+   both (validation changes no training draw: ``ExactResumeCallback`` puts the random states back after it). A run
+   of 2 DDP processes, all of them ended mid-epoch, resumes exactly in test_run_shutdown.py (a lost node).
 2. SIGTERM inside a step or a validation, on a tiny regression that draws noise in every step.
 3. The DiT and LM runs are a tiny override of each task's CPU default, run three times in deterministic mode:
    uninterrupted, stopped (DiT: max_steps 5; LM: a crash in the validation after step 6), and resumed with
@@ -37,7 +37,7 @@ from exact_runs import (
     load_checkpoint,
     working_folder,
 )
-from faults import CrashInValidation, truncate, wait_until_the_stop_is_heard
+from faults import CrashInValidation, scramble, truncate, wait_until_the_stop_is_heard
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.loggers import Logger
@@ -61,26 +61,22 @@ def uninterrupted(tmp_path_factory) -> Path:
     return folder
 
 
-# Resumed with loader workers, past a checkpoint that does not load (test_checkpoint_files.py tests the files)
+# Resumed past checkpoints that do not load (see test_checkpoint_files.py for the files themselves)
 
-def test_moh_fit_resumes_mid_epoch_with_loader_workers_past_a_truncated_last_exactly(uninterrupted, tmp_path):
-    """The same augmented batches from the 2 loader workers' random states, resumed from the next newest checkpoint
-    when `last.ckpt` does not load, and `--checkpoint.keep` counts the step checkpoints from before the resume."""
-    folder = tmp_path / "workers"
-    keep = "--checkpoint.keep=1"  # the newest step checkpoint only, plus last.ckpt
-    with pytest.raises(RuntimeError, match="injected crash at step 5"):
-        fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=5", keep)
+def test_moh_fit_resumes_past_a_truncated_last_and_a_corrupt_step_checkpoint_exactly(uninterrupted, tmp_path):
+    """From step 3, mid-epoch 0: the same augmented batches from each of the 2 loader workers' random states."""
+    folder = tmp_path / "corrupt"
+    with pytest.raises(RuntimeError, match="injected crash at step 6"):
+        fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=6")
     saved = checkpoints(folder)
-    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
     truncate(saved / "last.ckpt")  # a copy cut short
+    scramble(saved / "step=0000006.ckpt")  # a damaged archive
     with pytest.warns(UserWarning) as warned:
-        fit(folder, "--ckpt_path", "last", keep)  # from step 3, mid-epoch 0, with each worker's random states
+        fit(folder, "--ckpt_path", "last")
     moved = [str(w.message) for w in warned if "does not load" in str(w.message)]
-    assert len(moved) == 1 and "last.ckpt" in moved[0] and moved[0].endswith("step=0000003.ckpt.")
-    assert [p.name.split(".corrupt-")[0] for p in saved.glob("*.corrupt-*")] == ["last.ckpt"]
-    # keep=1 newest step checkpoint (step 6 replaced step 3, across the resume), and last.ckpt written at the end of
-    # fit (step 7 is not a multiple of 3)
-    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
+    assert len(moved) == 2 and "last.ckpt" in moved[0] and "step=0000006.ckpt" in moved[1]
+    assert "resuming from the next newest" in moved[1] and moved[1].endswith("step=0000003.ckpt.")
+    assert len(list(saved.glob("*.corrupt-*"))) == 2
     assert_same_run(uninterrupted, folder)
 
 
@@ -123,7 +119,8 @@ def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_exactly(uninter
     exit code 1 and no checkpoint. (Only a process group shows this: `moh fit` forked from this process in a session of
     its own, see tests/moh_process.py; SIGTERM's hook is tested in this process below.)"""
     folder = tmp_path / "SIGINT"
-    run = _moh(folder, "--trainer.callbacks+=exact_runs.SignalWindow")
+    keep = "--checkpoint.keep=1"  # the newest step checkpoint only, plus last.ckpt
+    run = _moh(folder, "--trainer.callbacks+=exact_runs.SignalWindow", keep)
     deadline = time.monotonic() + 300
     while not (folder / "in_step_4").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -134,8 +131,13 @@ def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_exactly(uninter
         f"moh: stopped by SIGINT after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
         f"Continue with the same command and --ckpt_path last."], lines[-20:]
     # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
-    assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 4
-    fit(folder, "--ckpt_path", "last")
+    saved = checkpoints(folder)
+    assert load_checkpoint(saved / "last.ckpt")["global_step"] == 4
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
+    fit(folder, "--ckpt_path", "last", keep)  # from step 4, mid-epoch 0, with each loader worker's random states
+    # keep=1 newest step checkpoint (step 6 replaced step 3, across the resume), and last.ckpt written at the end of
+    # fit (step 7 is not a multiple of 3)
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
     assert_same_run(uninterrupted, folder)
 
 
