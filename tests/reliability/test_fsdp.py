@@ -12,6 +12,8 @@ import socket
 from functools import partial
 from pathlib import Path
 
+# DiT's training step imports it (seconds): imported once here, so the forked ranks do not each import it again.
+import diffusers.training_utils  # noqa: F401
 import pytest
 import torch
 import torch.distributed as dist
