@@ -97,8 +97,8 @@ def _uses_module_fixture(item) -> bool:
 
 @pytest.fixture(scope="session")
 def vit_ddp_uninterrupted(tmp_path_factory) -> Path:
-    """The exact-resume ViT run uninterrupted on 2 DDP ranks: the reference of the runs killed on every rank
-    (test_exact_resume.py) and of the run that lost a node (test_run_shutdown.py)."""
+    """The exact-resume ViT run uninterrupted on 2 DDP ranks: the reference of the run that lost a node and resumed
+    (test_run_shutdown.py)."""
     from exact_runs import VIT_DDP, fit
 
     folder = tmp_path_factory.mktemp("vit_ddp") / "uninterrupted"

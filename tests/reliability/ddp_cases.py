@@ -13,19 +13,22 @@ def write_text_corpus(folder: Path) -> None:
         (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(2000)))
 
 
-# Each shipped config shrunk to seconds: 3 optimizer steps on each of 2 processes, one validation batch at the end.
+# Each shipped config shrunk to seconds: 2 blocks, 3 optimizer steps on each of 2 processes, one validation batch at
+# the end.
+DIT_SHRUNK = ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3",
+              "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
+              "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2"]
 DDP_TASKS = {
     "classification": ("vit_tiny_mnist_75", ["--data.init_args.batch_size=16", "--trainer.limit_val_batches=1",
-                                             "--trainer.val_check_interval=3"]),
+                                             "--trainer.val_check_interval=3", "--model.init_args.arch.depth=2"]),
     # dit_mnist_90's own callbacks (EMA from step 400, sample grids every 1000 steps) are replaced so that the
     # EMA is updated and a grid is sampled on rank 0 within the 3 steps; the head-load dashboards and last.ckpt
     # are the always-on callbacks'.
-    "diffusion": ("dit_mnist_90", ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1",
-                                   "--trainer.val_check_interval=3", "--trainer.callbacks=" + json.dumps([
-                                       {"class_path": "moh_lightning.callbacks.EMAWeightAveraging",
-                                        "init_args": {"decay": 0.9, "update_starting_at_step": 1}},
-                                       {"class_path": "moh_lightning.callbacks.sample_grid.SampleGridCallback",
-                                        "init_args": {"every_n_steps": 2, "num_per_class": 1, "steps": 2}}])]),
+    "diffusion": ("dit_mnist_90", [*DIT_SHRUNK, "--trainer.callbacks=" + json.dumps([
+        {"class_path": "moh_lightning.callbacks.EMAWeightAveraging",
+         "init_args": {"decay": 0.9, "update_starting_at_step": 1}},
+        {"class_path": "moh_lightning.callbacks.sample_grid.SampleGridCallback",
+         "init_args": {"every_n_steps": 2, "num_per_class": 1, "steps": 2}}])]),
     "language_model": ("llm_stdlib_75", [
         "--data.init_args.sources=[{path: corpus, val_fraction: 0.3}]", "--data.init_args.cache_dir=token_cache",
         "--data.init_args.seq_len=64", "--data.init_args.batch_size=4", "--model.init_args.arch.depth=2",

@@ -98,17 +98,6 @@ class SigtermInValidation(Callback):
             wait_until_the_stop_is_heard(trainer, seconds=10)
 
 
-class KillAtStep(Callback):
-    """SIGKILLs its own process before training step ``step``, on every rank: a machine lost mid-epoch."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def batches(folder: Path) -> dict[int, str]:
     """The batch of each step; a resumed run's record of a step overrides the stopped run's (they must agree)."""
     seen: dict[int, str] = {}

@@ -5,6 +5,8 @@ import math
 import os
 from pathlib import Path
 
+# DiT's training step imports it (seconds): imported once here, so the forked ranks do not each import it again.
+import diffusers.training_utils  # noqa: F401
 import pytest
 import torch
 from conftest import run_checkpoints
@@ -17,6 +19,7 @@ from moh_lightning import MoHAttention, pop_load_balance_loss
 from moh_lightning.callbacks import HeadLoadCallback
 from moh_lightning.cli import main
 from moh_lightning.tasks import TASKS
+from moh_lightning.trainer_cli import threads_restored
 
 pytestmark = pytest.mark.distributed
 
@@ -55,11 +58,15 @@ class TinyMoH(LightningModule):
 
 def _fit(root: Path, devices: int) -> tuple[dict[str, torch.Tensor], list[dict[str, str]]]:
     model = TinyMoH()
-    trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+    # The 2 processes forked from this one (not spawned: each would import torch again), one thread each as
+    # `moh fit` runs forked ranks (tests/cli/test_fork_threads.py), and the weights of rank 0 come back to `model`.
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_fork" if devices > 1 else "auto",
                       max_steps=STEPS, log_every_n_steps=1, logger=CSVLogger(root, name="", version=""),
                       callbacks=[HeadLoadCallback(log_every_n_steps=1)], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(model)
+    with threads_restored():
+        torch.set_num_threads(1)
+        trainer.fit(model)
     with open(root / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     return model.state_dict(), rows
@@ -122,8 +129,9 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     for name, value in rank0.items():
         assert torch.equal(value, rank1[name]), name
         assert torch.isfinite(value.float()).all(), name
-    run = run_dir / "runs" / config / "version_0"  # the config's run folder: TensorBoard events, checkpoints
-    checkpoints = run_checkpoints(config, run_dir)
+    # The run's one folder (named after the config and its head budget): TensorBoard events, checkpoints.
+    (run,) = (run_dir / "runs").glob("*/version_0")
+    checkpoints = run_checkpoints(run.parent.name, run_dir)
     assert checkpoints.parent == run
     checkpoint = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 3

@@ -4,22 +4,20 @@ loss and bit for bit in its final weights.
 1. The ViT runs are the embedded ViT shrunk to seconds (one block, 16 images a batch, 5 batches an epoch, 7 steps,
    every random augmentation on, 2 loader workers, checkpoints every 3 steps), so a stop at step 5 resumes mid-epoch 0
    from the step-3 checkpoint and continues across the epoch boundary. They are stopped by a crash (and resumed past
-   a truncated `last.ckpt` and a damaged step checkpoint), by SIGKILL on every DDP process (2 forked gloo processes;
-   also the DiT default shrunk the same way) and by SIGTERM inside a step or a validation. One uninterrupted run is
-   the reference for all of them, one uninterrupted 2-process run for DDP (validation changes no training draw:
-   ``ExactResumeCallback`` puts the random states back after it).
-2. The DiT and LM runs are a tiny override of each task's CPU default, run three times in deterministic mode:
-   uninterrupted, stopped (a crash before step 7, a crash in the validation after step 6, or max_steps 5), and resumed
-   with ``moh fit --ckpt_path last``. Epochs are 4 batches, validation runs every 2 and checkpoints every 3 steps, so
-   the crash before step 7 resumes from the step-6 checkpoint written after that validation, the crash in it from
-   step 3, and every resume continues mid-epoch and across an epoch boundary.
+   a truncated `last.ckpt` and a damaged step checkpoint) and by Ctrl-C; one uninterrupted run is the reference for
+   both (validation changes no training draw: ``ExactResumeCallback`` puts the random states back after it). A run
+   of 2 DDP processes, all of them ended mid-epoch, resumes exactly in test_run_shutdown.py (a lost node).
+2. SIGTERM inside a step or a validation, on a tiny regression that draws noise in every step.
+3. The DiT and LM runs are a tiny override of each task's CPU default, run three times in deterministic mode:
+   uninterrupted, stopped (DiT: max_steps 5; LM: a crash in the validation after step 6), and resumed with
+   ``moh fit --ckpt_path last``. Epochs are 4 batches, validation runs every 2 and checkpoints every 3 steps, so the
+   crash in the validation after step 6 resumes from step 3, and every resume continues mid-epoch and across an epoch
+   boundary.
 """
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,11 +25,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ctrl_c_restored, pythonpath, run_checkpoints
+from conftest import run_checkpoints
 from exact_runs import (
     RUN,
     VIT,
-    VIT_DDP,
     VIT_STEPS,
     SigtermInValidation,
     assert_same_run,
@@ -40,10 +37,11 @@ from exact_runs import (
     load_checkpoint,
     working_folder,
 )
-from faults import CrashAtStep, CrashInValidation, scramble, truncate, wait_until_the_stop_is_heard
+from faults import CrashInValidation, scramble, truncate, wait_until_the_stop_is_heard
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.loggers import Logger
+from moh_process import MohProcess, start_moh
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -66,6 +64,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 # Resumed past checkpoints that do not load (see test_checkpoint_files.py for the files themselves)
 
 def test_moh_fit_resumes_past_a_truncated_last_and_a_corrupt_step_checkpoint_exactly(uninterrupted, tmp_path):
+    """From step 3, mid-epoch 0: the same augmented batches from each of the 2 loader workers' random states."""
     folder = tmp_path / "corrupt"
     with pytest.raises(RuntimeError, match="injected crash at step 6"):
         fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=6")
@@ -78,22 +77,6 @@ def test_moh_fit_resumes_past_a_truncated_last_and_a_corrupt_step_checkpoint_exa
     assert len(moved) == 2 and "last.ckpt" in moved[0] and "step=0000006.ckpt" in moved[1]
     assert "resuming from the next newest" in moved[1] and moved[1].endswith("step=0000003.ckpt.")
     assert len(list(saved.glob("*.corrupt-*"))) == 2
-    assert_same_run(uninterrupted, folder)
-
-
-# Exact resume with loader workers
-
-def test_resume_mid_epoch_with_two_loader_workers_draws_the_same_augmented_batches(uninterrupted, tmp_path):
-    folder = tmp_path / "workers"
-    keep = "--checkpoint.keep=1"  # the newest step checkpoint only, plus last.ckpt
-    with pytest.raises(RuntimeError, match="injected crash at step 5"):
-        fit(folder, "--trainer.callbacks+=faults.CrashAtStep", "--trainer.callbacks.step=5", keep)
-    saved = checkpoints(folder)
-    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
-    fit(folder, "--ckpt_path", "last", keep)  # from step 3, mid-epoch 0, with each worker's random states
-    # keep=1 newest step checkpoint (step 6 replaced step 3, across the resume), and last.ckpt written at the end of
-    # fit (step 7 is not a multiple of 3)
-    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
     assert_same_run(uninterrupted, folder)
 
 
@@ -123,60 +106,21 @@ def test_dit_latent_flips_drawn_in_workers_resume_where_the_loader_stopped():
     assert flips(iter(resumed), 5) == expected
 
 
-# DDP: every process killed mid-epoch
-
-# Two gloo processes forked from this one (Lightning's ddp_fork: the same DDP training as `--trainer.strategy ddp`,
-# without importing torch twice more), each with its 2 loader workers and its own half of every batch; the
-# uninterrupted run (``vit_ddp_uninterrupted``, tests/conftest.py) is the lost-node test's reference too.
-
-
-def test_ddp_run_killed_mid_epoch_resumes_to_the_same_weights_as_the_uninterrupted_ddp_run(vit_ddp_uninterrupted,
-                                                                                             tmp_path):
-    folder = tmp_path / "killed"
-    with pytest.raises(Exception, match="terminated with signal SIGKILL"):
-        fit(folder, *VIT_DDP, "--trainer.callbacks+=exact_runs.KillAtStep", "--trainer.callbacks.step=5")
-    assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 3
-    fit(folder, *VIT_DDP, "--ckpt_path", "last")
-    assert_same_run(vit_ddp_uninterrupted, folder)  # rank 0's batches and losses; the weights of both (DDP keeps equal)
-
-
-# The DiT default shrunk the same way (2 blocks of width 64, 8 digits a batch; without its EMA and sample grids).
-DDP_DIT = ["--config", "dit_mnist_90.yaml", f"--trainer.max_steps={VIT_STEPS}", "--trainer.limit_train_batches=5",
-           "--trainer.limit_val_batches=0", "--trainer.deterministic=true", "--trainer.log_every_n_steps=1",
-           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.callbacks=[]",
-           "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
-           "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
-           "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8", "--checkpoint.every_n_train_steps=3",
-           "--trainer.callbacks+=exact_runs.RecordBatches", *VIT_DDP]
-
-
-def test_ddp_dit_run_killed_mid_epoch_resumes_to_the_same_weights(tmp_path):
-    fit(tmp_path / "uninterrupted", base=DDP_DIT)
-    folder = tmp_path / "killed"
-    with pytest.raises(Exception, match="terminated with signal SIGKILL"):
-        fit(folder, "--trainer.callbacks+=exact_runs.KillAtStep", "--trainer.callbacks.step=5", base=DDP_DIT)
-    fit(folder, "--ckpt_path", "last", base=DDP_DIT)
-    assert_same_run(tmp_path / "uninterrupted", folder, Path("runs") / "dit_mnist_75")
-
-
 # SIGTERM
 
-MOH = str(Path(sys.executable).with_name("moh"))
-
-
-def _moh(folder: Path, *args: str) -> subprocess.Popen:
+def _moh(folder: Path, *args: str) -> MohProcess:
     folder.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    return subprocess.Popen([MOH, "fit", *VIT, *args], cwd=folder, env=env, stdout=open(folder / "out.txt", "w"),
-                            stderr=open(folder / "err.txt", "w"), start_new_session=True, preexec_fn=ctrl_c_restored)
+    return start_moh(["fit", *VIT, *args], folder, os.environ, stdout=folder / "out.txt", stderr=folder / "err.txt")
 
 
 def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_exactly(uninterrupted, tmp_path):
     """Ctrl-C's SIGINT as a terminal sends it, to every process of the run: the loader workers leave it to their
     process, which stops after the step. Before, Ctrl-C ended the run with Lightning's "Detected KeyboardInterrupt",
-    exit code 1 and no checkpoint. (Only a process group shows this; SIGTERM's hook is tested in this process below.)"""
+    exit code 1 and no checkpoint. (Only a process group shows this: `moh fit` forked from this process in a session of
+    its own, see tests/moh_process.py; SIGTERM's hook is tested in this process below.)"""
     folder = tmp_path / "SIGINT"
-    run = _moh(folder, "--trainer.callbacks+=exact_runs.SignalWindow")
+    keep = "--checkpoint.keep=1"  # the newest step checkpoint only, plus last.ckpt
+    run = _moh(folder, "--trainer.callbacks+=exact_runs.SignalWindow", keep)
     deadline = time.monotonic() + 300
     while not (folder / "in_step_4").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -187,8 +131,13 @@ def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_exactly(uninter
         f"moh: stopped by SIGINT after step 4; saved {RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}. "
         f"Continue with the same command and --ckpt_path last."], lines[-20:]
     # Not a periodic checkpoint (every 3 steps): written at the end of the step the signal came in.
-    assert load_checkpoint(checkpoints(folder) / "last.ckpt")["global_step"] == 4
-    fit(folder, "--ckpt_path", "last")
+    saved = checkpoints(folder)
+    assert load_checkpoint(saved / "last.ckpt")["global_step"] == 4
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000003.ckpt"]
+    fit(folder, "--ckpt_path", "last", keep)  # from step 4, mid-epoch 0, with each loader worker's random states
+    # keep=1 newest step checkpoint (step 6 replaced step 3, across the resume), and last.ckpt written at the end of
+    # fit (step 7 is not a multiple of 3)
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == ["last.ckpt", "step=0000006.ckpt"]
     assert_same_run(uninterrupted, folder)
 
 
@@ -296,7 +245,7 @@ def test_sigterm_in_a_step_or_a_validation_saves_that_step_exits_143_and_resumes
         [row for row in expected.rows if row[1] == "val/loss" and row[0] >= saved]
 
 
-# 2. The DiT and LM runs ---------------------------------------------------------------------------------------------
+# 3. The DiT and LM runs ---------------------------------------------------------------------------------------------
 
 STEPS = 9
 COMMON = ["--trainer.deterministic=true", "--trainer.limit_train_batches=4", "--trainer.val_check_interval=2",
@@ -355,10 +304,7 @@ def _fit_with(folder: Path, args: list[str], callbacks: list[dict], *extra: Call
 def _stop_and_resume(folder: Path, how: str, args: list[str], callbacks: list[dict],
                      *extra: Callback) -> MoHLightningCLI:
     """A fit stopped mid-epoch (see the module docstring, 2.), then resumed from `last` up to STEPS."""
-    if how == "crash":
-        with pytest.raises(RuntimeError, match="injected crash at step 7"):
-            _fit_with(folder, args, callbacks, CrashAtStep(7), *extra)
-    elif how == "crash in validation":
+    if how == "crash in validation":
         with pytest.raises(RuntimeError, match="injected crash in the validation at step 6"):
             _fit_with(folder, args, callbacks, CrashInValidation(6), *extra)
     else:
@@ -399,9 +345,10 @@ def dit_uninterrupted(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("how", ["crash", "max_steps"])
-def test_dit_resumed_mid_epoch_reaches_the_same_weights_ema_and_losses(how, dit_uninterrupted, tmp_path):
-    resumed = _stop_and_resume(tmp_path, how, DIT, [EMA])
+def test_dit_resumed_mid_epoch_reaches_the_same_weights_ema_and_losses(dit_uninterrupted, tmp_path):
+    """Stopped by max_steps: the last checkpoint, written at the end of the last step, holds the training weights
+    besides the average (EMAWeightAveraging copies the average over them when training ends)."""
+    resumed = _stop_and_resume(tmp_path, "max_steps", DIT, [EMA])
     expected, actual = _last(dit_uninterrupted, "dit_mnist_75"), _last(tmp_path, "dit_mnist_75")
     assert expected["global_step"] == actual["global_step"] == STEPS
     # EMAWeightAveraging writes the average as state_dict, the training weights as current_model_state and the
@@ -443,12 +390,14 @@ def lm_uninterrupted(tmp_path_factory, lm_args) -> tuple[Path, dict[int, torch.T
     return folder, tokens.seen
 
 
-@pytest.mark.parametrize("how", ["crash", "crash in validation", "max_steps"])
-def test_lm_resumed_mid_epoch_sees_the_same_sequences_and_reaches_the_same_weights(how, lm_args, lm_uninterrupted,
+def test_lm_resumed_mid_epoch_sees_the_same_sequences_and_reaches_the_same_weights(lm_args, lm_uninterrupted,
                                                                                     tmp_path):
+    """Stopped by a crash in the validation after step 6, whose checkpoint is written after that validation: the
+    run resumes from step 3 and logs that validation (the ViT runs resume from a crash before a step, the DiT run from
+    the end of a fit)."""
     folder, expected_tokens = lm_uninterrupted
     tokens = RecordTokens()
-    resumed = _stop_and_resume(tmp_path, how, lm_args, [], tokens)
+    resumed = _stop_and_resume(tmp_path, "crash in validation", lm_args, [], tokens)
     # The stopped run's steps up to its checkpoint, then the resumed run's: the uninterrupted token stream,
     # no sequence repeated or skipped, mid-epoch and across the epoch boundary at step 8.
     assert sorted(tokens.seen) == list(range(STEPS)) == sorted(expected_tokens)

@@ -9,24 +9,26 @@ import json
 import math
 import os
 import socket
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
+# DiT's training step imports it (seconds): imported once here, so the forked ranks do not each import it again.
+import diffusers.training_utils  # noqa: F401
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import pythonpath
 from cpu_fsdp import CPUFSDPStrategy
-from ddp_cases import DDP_TASKS, logged_scalars, write_text_corpus
+from ddp_cases import DDP_TASKS, DIT_SHRUNK, logged_scalars, write_text_corpus
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from moh_process import start
 from timm.optim import param_groups_weight_decay
 from tiny_models import dit_t4_config, tiny_llama_config
 from torch import nn
 
 from moh_lightning.callbacks.sample_grid import SampleGridCallback
 from moh_lightning.callbacks.throughput import sample_flops
+from moh_lightning.cli import main
 from moh_lightning.layers.moh_config import MoHConfig
 from moh_lightning.models.llama import MoHLlama
 from moh_lightning.models.vit import ViTConfig, create_vit
@@ -72,16 +74,10 @@ class FSDPProbe(Callback):
                                                                          "groups": self.groups, "norms": self.norms}))
 
 
-# Every task's `moh fit` one after another in the same 2 processes, which the test starts with an external launcher's
-# environment (LOCAL_RANK and the rest, as torchrun sets them), so Lightning launches none and each task's fit joins
-# the process group of the first: 2 interpreters import torch once, not once a task.
-FIT_EACH = """
-import json, os, sys
-from moh_lightning.cli import main
-for folder, args in json.loads(sys.argv[1]):
-    os.chdir(folder)
-    main(args)
-"""
+def _fit_each(runs: list[tuple[Path, list[str]]]) -> None:
+    for folder, args in runs:
+        os.chdir(folder)
+        main(args)
 
 
 def _free_port() -> int:
@@ -96,19 +92,20 @@ def _fit_every_task(root: Path) -> None:
         (root / task).mkdir()
         if task == "language_model":
             write_text_corpus(root / task / "corpus")
-        runs.append((str(root / task), [
+        runs.append((root / task, [
             "fit", "--config", f"{config}.yaml", "--config", "fsdp.yaml",
             "--trainer.strategy.class_path=cpu_fsdp.CPUFSDPStrategy", "--trainer.accelerator=cpu",
             "--trainer.devices=2", "--trainer.precision=32-true", "--trainer.max_steps=3",
             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *overrides,
             f"--trainer.gradient_clip_val={CLIP}", "--trainer.callbacks+=test_fsdp.FSDPProbe",
             "--throughput.window_size=2"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(__file__), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "NODE_RANK": "0"}
-    ranks = [subprocess.Popen([sys.executable, "-c", FIT_EACH, json.dumps(runs)], cwd=root,
-                              env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
-                              stdout=open(root / f"out{rank}.txt", "w"), stderr=open(root / f"err{rank}.txt", "w"))
-             for rank in (0, 1)]
+    # Every task's `moh fit` one after another in the same 2 processes, forked from this one with an external
+    # launcher's environment (LOCAL_RANK and the rest, as torchrun sets them), so Lightning launches none and each
+    # task's fit joins the process group of the first.
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "NODE_RANK": "0"}
+    ranks = [start(partial(_fit_each, runs), root, {**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
+                   stdout=root / f"out{rank}.txt", stderr=root / f"err{rank}.txt") for rank in (0, 1)]
     try:
         codes = [rank.wait(timeout=600) for rank in ranks]
     finally:
@@ -128,8 +125,7 @@ def fsdp_runs(tmp_path_factory) -> Path:
 # with the always-on callbacks alone (head-load dashboards, checkpoints with last.ckpt).
 FSDP_TASKS = {
     "classification": (ImageClassifier, *DDP_TASKS["classification"]),
-    "diffusion": (ClassConditionalDiffusion, "dit_mnist_90", [*DDP_TASKS["diffusion"][1][:-1],
-                                                              "--trainer.callbacks=" + json.dumps([])]),
+    "diffusion": (ClassConditionalDiffusion, "dit_mnist_90", [*DIT_SHRUNK, "--trainer.callbacks=[]"]),
     "language_model": (LanguageModel, *DDP_TASKS["language_model"]),
 }
 

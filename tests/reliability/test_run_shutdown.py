@@ -1,19 +1,18 @@
 """A run ends as a whole: SIGTERM to a run whose rank hangs, a hung rank and no signal, a lost node and its resume.
 
-Each `moh fit` starts in a session of its own (each node of the 2-node run in its own); after each scenario no process
-of those sessions may remain, and whatever a failing test leaves is killed by PID. The runs are the exact-resume tests'
-embedded ViT (one block, 2 loader workers a rank, 7 steps, checkpoints every 3) on 2 gloo processes: forked by
-Lightning (`ddp_fork`) for the hung rank, one `moh fit` a node on loopback for the lost node (whose uninterrupted
-reference is the same 2 ranks forked in the test process, as the DDP kill test's). Rank 1 stops making
-progress before step 4 (``faults.HangAtStep``), while rank 0 waits for it in that step's first collective.
+Each `moh fit` is forked from the test process into a session of its own (each node of the 2-node run in its own; see
+tests/moh_process.py for what makes it a fresh `moh`); after each scenario no process of those sessions may remain,
+and whatever a failing test leaves is killed by PID. The runs are the exact-resume tests' embedded ViT (one block,
+2 loader workers a rank, 7 steps, checkpoints every 3) on 2 gloo processes: forked by Lightning (`ddp_fork`) for the
+hung rank, one `moh fit` a node on loopback for the lost node (whose uninterrupted reference is the same 2 ranks
+forked in the test process). Rank 1 stops making progress before step 4 (``faults.HangAtStep``), while rank 0 waits
+for it in that step's first collective.
 """
 from __future__ import annotations
 
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from contextlib import suppress
 from datetime import timedelta
@@ -22,9 +21,9 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from conftest import pythonpath
 from exact_runs import RUN, VIT, assert_same_run, load_checkpoint
 from lightning.pytorch.strategies import DDPStrategy
+from moh_process import MohProcess, start_moh
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
@@ -41,18 +40,17 @@ AGAIN = "Continue with the same command and --ckpt_path last."
 
 
 class Runs:
-    """The `moh fit` processes a test starts, each the leader of a session of its own, and what is left of them."""
+    """The `moh fit` processes a test starts, each forked from this one as the leader of a session of its own (see
+    tests/moh_process.py), and what is left of them."""
 
     def __init__(self) -> None:
-        self.leaders: list[subprocess.Popen] = []
+        self.leaders: list[MohProcess] = []
 
-    def start(self, folder: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, folder: Path, *args: str, env: dict[str, str] | None = None) -> MohProcess:
         folder.mkdir(exist_ok=True)
         n = len(list(folder.glob("err*.txt")))  # err0.txt, err1.txt, ... in the order started in this folder
-        env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": "1", **(env or {})}
-        process = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *VIT, *args], cwd=folder,
-                                   env=env, stdout=open(folder / f"out{n}.txt", "w"),
-                                   stderr=open(folder / f"err{n}.txt", "w"), start_new_session=True)
+        process = start_moh(["fit", *VIT, *args], folder, {**os.environ, **(env or {})}, stdout=folder / f"out{n}.txt",
+                            stderr=folder / f"err{n}.txt")
         self.leaders.append(process)
         return process
 
@@ -78,20 +76,25 @@ class Runs:
 
 
 @pytest.fixture
-def runs():
+def runs(monkeypatch):
+    # Forked, the runs share this process's settings: a failed collective waits 1 s (not 5) for the other ranks'
+    # reports, which a hung or lost rank never sends, and each rank asks the run's store every second (not every 5)
+    # whether the run ended elsewhere.
+    monkeypatch.setattr(run_store, "_REPORT_WINDOW_S", 1.0)
+    monkeypatch.setattr(watchdog, "_POLL_S", 1.0)
     started = Runs()
     yield started
     started.kill_all()
 
 
-def _wait_for(path: Path, run: subprocess.Popen, seconds: float = 300) -> None:
+def _wait_for(path: Path, run: MohProcess, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists():
         assert run.poll() is None and time.monotonic() < deadline, f"{path.name} never appeared"
         time.sleep(0.05)
 
 
-def _exit_code(run: subprocess.Popen, folder: Path, n: int, timeout: float) -> tuple[int, str]:
+def _exit_code(run: MohProcess, folder: Path, n: int, timeout: float) -> tuple[int, str]:
     """The run's exit status, with the end of what it wrote to ``err<n>.txt`` for the assertion's message."""
     code = run.wait(timeout=timeout)
     return code, (folder / f"err{n}.txt").read_text()[-3000:]
@@ -121,7 +124,7 @@ def test_sigterm_to_forked_ranks_saves_at_the_step_boundary_and_ends_them_all(ru
 def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, tmp_path):
     """One SIGTERM: no step ends, so after the grace period every rank and loader worker is ended; a second SIGTERM
     ends them at once. Either way one line says why, what was saved and how to resume."""
-    grace = 5 if signals == 1 else 60
+    grace = 2 if signals == 1 else 60
     run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.grace_period={grace}")
     _wait_for(tmp_path / "at_step_4_rank1", run)
     _wait_for(tmp_path / "at_step_4_rank0", run)
@@ -145,7 +148,7 @@ def test_sigterm_ends_a_run_whose_rank_hangs_with_every_process(signals, runs, t
 @DISTRIBUTED
 def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_path):
     timeout = 10
-    run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.collective_timeout={timeout}", "--shutdown.grace_period=5")
+    run = runs.start(tmp_path, *FORKED, *HANG, f"--shutdown.collective_timeout={timeout}", "--shutdown.grace_period=2")
     _wait_for(tmp_path / "at_step_4_rank0", run)
     started = time.monotonic()
     assert run.wait(timeout=timeout + 60) == 1
@@ -157,7 +160,7 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_naming_it(runs, tmp_
                             f"run ends; the newest checkpoint is {LAST} (step 3). Once every rank can run, continue "
                             f"with the same command and --ckpt_path last."), said
     assert "Traceback" not in (tmp_path / "err0.txt").read_text()
-    assert timeout <= took < timeout + 25, took  # the timeout, the others' reports (5 s), rank 1's poll of the store
+    assert timeout <= took < timeout + 25, took  # the timeout, the others' reports (1 s), rank 1's poll of the store
     runs.assert_none_left()
 
 
@@ -167,7 +170,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
+def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[MohProcess]:
     """`moh fit` twice, as on two machines of one process each that share the run folder (NODE_RANK 0 and 1)."""
     address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     return [runs.start(folder, "--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1",
@@ -177,8 +180,11 @@ def _two_nodes(runs: Runs, folder: Path, *args: str) -> list[subprocess.Popen]:
 
 @DISTRIBUTED
 def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_path, vit_ddp_uninterrupted):
-    """The reference is the uninterrupted 2-rank run forked in the test process: the same 2 gloo ranks of one process
-    each, global ranks, samplers and seeds as the 2 nodes' (measured: bit-identical), without 2 more interpreters."""
+    """Every process of a DDP run ended mid-epoch (node 1 killed, node 0 ending itself), then both nodes resumed from
+    the step-3 checkpoint: each rank's own random states and loader position (2 workers each), the uninterrupted
+    run's batches, losses and weights. The reference is the uninterrupted 2-rank run forked in the test process: the
+    same 2 gloo ranks of one process each, global ranks, samplers and seeds as the 2 nodes' (measured: bit-identical).
+    """
     folder = tmp_path / "lost"
     survivor, lost = _two_nodes(runs, folder, "--trainer.callbacks+=faults.KillNodeAtStep",
                                 "--trainer.callbacks.step=5")
@@ -187,7 +193,7 @@ def test_a_lost_node_ends_the_survivor_and_both_nodes_resume_exactly(runs, tmp_p
     killed = time.monotonic()
     code, err = _exit_code(survivor, folder, 0, timeout=120)
     assert code == 1, err
-    assert time.monotonic() - killed < 30  # its next collective fails at once; 5 s for the others' reports
+    assert time.monotonic() - killed < 30  # its next collective fails at once; 1 s for the others' reports
     said = _said(folder)
     # gloo's words for the closed connection vary ("Connection closed by peer", "Read error ...: Connection reset").
     assert len(said) == 1 and said[0].startswith("moh: rank 0: a collective failed at step 5 (") \

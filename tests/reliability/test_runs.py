@@ -57,28 +57,6 @@ def test_a_run_of_the_same_config_never_resumes_another_runs_weights(run_dir):
     assert not torch.equal(saved["state_dict"]["model.embed.weight"], first_saved["state_dict"]["model.embed.weight"])
 
 
-def test_resuming_with_other_data_stops_in_one_line_and_keeps_the_run(run_dir, capsys):
-    corpus, other = _corpus(run_dir / "corpus", 0), _corpus(run_dir / "other", 1)
-    _fit(corpus)
-    run = run_dir / "runs" / "llm_stdlib_75"
-    before = _snapshot(run)
-    with pytest.raises(SystemExit) as stop:
-        _fit(other, "--ckpt_path", "last")
-    message = str(stop.value)
-    assert "\n" not in message and "data.init_args.sources" in message and "version_0" in message
-    assert _snapshot(run) == before
-
-
-def test_a_resumed_run_continues_in_its_own_folder_and_a_fresh_one_gets_a_new_one(run_dir):
-    corpus = _corpus(run_dir / "corpus", 0)
-    _fit(corpus, "--model.init_args.max_tokens", "1024")
-    run = run_dir / "runs" / "llm_stdlib_75"
-    _fit(corpus, "--model.init_args.max_tokens", "1024", "--trainer.max_steps", "24", "--ckpt_path", "last")
-    assert [p.name for p in run.iterdir() if p.name.startswith("version_")] == ["version_0"]
-    _fit(corpus)  # without --ckpt_path: a new run of the same name, beside the first
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith("version_")) == ["version_0", "version_1"]
-
-
 def test_a_run_that_saves_into_a_folder_holding_checkpoints_is_still_warned(run_dir, recwarn):
     """Lightning's warning stays where it is no intended resume: a fresh run whose checkpoint folder holds files."""
     corpus = _corpus(run_dir / "corpus", 0)
@@ -89,27 +67,53 @@ def test_a_run_that_saves_into_a_folder_holding_checkpoints_is_still_warned(run_
             str(w.message)]
 
 
-def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, capsys, recwarn):
-    """Raising the token budget (and the loader workers) continues the run, and its one line says what that does to
-    the learning-rate schedule; its identity is still guarded. Lightning's warning that the checkpoint folder "exists
-    and is not empty" is not shown: it holds the checkpoints the run continues."""
-    corpus = _corpus(run_dir / "corpus", 0)
-    _fit(corpus, "--model.init_args.max_tokens", "2048")
-    version = run_dir / "runs" / "llm_stdlib_75" / "version_0"
+class FailAtStart(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        raise RuntimeError("failed before the first step")
+
+
+def test_a_run_that_fails_before_it_starts_leaves_no_folder(run_dir):
+    with pytest.raises(SystemExit, match="no class folders"):
+        main(["fit", "--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", "missing"])
+    assert not (run_dir / "runs" / "vit_tiny_folder_digits_75").exists()  # was version_0: an events file, hparams
+
+
+def test_a_finished_run_is_kept_by_what_cannot_continue_it_and_continues_in_its_own_folder(run_dir, capsys,
+                                                                                          recwarn):
+    """One finished run (8 steps) and what is done with it, in turn: resumed with other data, refused in one line;
+    a fresh run that fails before its first step, no folder beside it; continued for longer (and more loader
+    workers), in its own folder, with one line on what that does to the learning-rate schedule and without
+    Lightning's warning that the checkpoint folder "exists and is not empty" (it holds the checkpoints the run
+    continues); resumed under its name with another head budget, refused; a fresh run of the config, a new folder."""
+    corpus, other = _corpus(run_dir / "corpus", 0), _corpus(run_dir / "other", 1)
+    _fit(corpus)
+    run = run_dir / "runs" / "llm_stdlib_75"
+    version = run / "version_0"
     first = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert first["tokens_seen"] == 2048
+
+    before = _snapshot(run_dir / "runs")
+    with pytest.raises(SystemExit) as stop:
+        _fit(other, "--ckpt_path", "last")
+    message = str(stop.value)
+    assert "\n" not in message and "data.init_args.sources" in message and "version_0" in message
+    assert _snapshot(run_dir / "runs") == before
+
+    with pytest.raises(RuntimeError, match="before the first step"):
+        _fit(corpus, "--trainer.callbacks+=test_runs.FailAtStart")
+    assert _snapshot(run_dir / "runs") == before  # that run stays as it was, and the failed one leaves no version_1
+    assert [p.name for p in run.iterdir()] == ["version_0"]
+
     capsys.readouterr()
     recwarn.clear()
-
     _fit(corpus, "--model.init_args.max_tokens", "4096", "--data.init_args.num_workers", "1", "--ckpt_path", "last")
-
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moh: continuing")]
     assert len(said) == 1 and "model.init_args.max_tokens 2048 -> 4096" in said[0]
     assert "data.init_args.num_workers 0 -> 1" in said[0] and "new order" in said[0]
     assert "the learning-rate schedule now spans 16 steps, not 8: lr at step 8 " in said[0]
     assert not [w for w in recwarn if "exists and is not empty" in str(w.message)]
     assert "max_tokens 2048 -> 4096" in (version / "resumes.log").read_text()
-    assert [p.name for p in version.parent.iterdir()] == ["version_0"]
+    assert [p.name for p in run.iterdir()] == ["version_0"]
     resumed = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["tokens_seen"] == 4096 and resumed["global_step"] == 2 * first["global_step"]
 
@@ -120,21 +124,5 @@ def test_a_finished_run_continues_for_longer_and_says_what_changed(run_dir, caps
              "--trainer.logger.init_args.name", "llm_stdlib_75", "--ckpt_path", "last")
     assert "model.init_args.arch.moh.top_k" in str(stop.value) and "max_tokens" not in str(stop.value)
 
-
-class FailAtStart(Callback):
-    def on_train_start(self, trainer, pl_module) -> None:
-        raise RuntimeError("failed before the first step")
-
-
-def test_a_run_that_fails_before_its_first_step_leaves_no_folder(run_dir, write_image_folder):
-    with pytest.raises(SystemExit, match="no class folders"):
-        main(["fit", "--config", "vit_tiny_folder_digits_75.yaml", "--data.init_args.data_dir", "missing"])
-    assert not (run_dir / "runs" / "vit_tiny_folder_digits_75").exists()  # was version_0: an events file, hparams
-    # beside a run with weights: that run stays as it was, and the failed one leaves no version_1
-    corpus = _corpus(run_dir / "corpus", 0)
-    _fit(corpus)
-    before = _snapshot(run_dir / "runs")
-    with pytest.raises(RuntimeError, match="before the first step"):
-        _fit(corpus, "--trainer.callbacks+=test_runs.FailAtStart")
-    assert _snapshot(run_dir / "runs") == before
-    assert sorted(p.name for p in (run_dir / "runs" / "llm_stdlib_75").iterdir()) == ["version_0"]
+    _fit(corpus, "--model.init_args.max_tokens", "512")  # without --ckpt_path: a new run of the same name
+    assert sorted(p.name for p in run.iterdir()) == ["version_0", "version_1"]
