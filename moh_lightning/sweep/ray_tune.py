@@ -153,8 +153,12 @@ def _local_ray(cores: int, folder: str) -> Iterator[None]:
             # One level down: Ray makes its temporary folder and the session's folders in it writable by everyone (for
             # several users' sessions in one /tmp/ray), again as each of its processes starts; ``folder`` stays 700, so
             # no one else reaches into them.
+            # No idle workers started for the first driver: Tune runs every trial in a worker of the trainable's own
+            # runtime environment (its env_vars), never in one of those, which would each import Ray for nothing
+            # (a second or two of CPU each, per core, while the sweep starts).
             ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False,
-                     logging_level="WARNING", _temp_dir=os.path.join(folder, "ray"))
+                     logging_level="WARNING", _temp_dir=os.path.join(folder, "ray"),
+                     _system_config={"prestart_worker_first_driver": False})
             yield
     finally:
         ray.shutdown()

@@ -2,9 +2,10 @@
 line and a non-zero exit, listening on the loopback address only, its folders kept to this user, nothing left
 outside its folder.
 
-One tiny sweep of 3 trials (the embedded LM made tiny, 20 steps each, a checkpoint every 5) runs twice as a process of
+One tiny sweep of 3 trials (the embedded LM made tiny, 6 steps each, a checkpoint every 2) runs twice as a process of
 its own, in a fresh HOME and TMPDIR, each call starting its own local Ray:
-1. Ctrl-C (SIGINT to the sweep's process group) during the second trial, after its first checkpoint: exit 130;
+1. Ctrl-C (SIGINT to the sweep's process group) during the second trial, after its first checkpoint: exit 130
+   (``HoldForCtrlC`` holds that trial there until the sweep heard it, so that it cannot end first, however fast);
 2. the same command: the stopped trial continues to where an uninterrupted one ends; the third trial fails (a file
    stands where its run folder goes), the sweep reports it and exits 1. The finished trial is not trained again.
 While each runs, the test samples every listening socket of the sweep's process and its descendants (the driver, the
@@ -34,10 +35,12 @@ import pytest
 import ray
 import torch
 import yaml
-from conftest import ctrl_c_restored
+from conftest import ctrl_c_restored, pythonpath
+from lightning.pytorch import Callback
 from sweep_cases import FIT_CONFIG, read_csv, run_state, tiny_overlay
 
 from moh_lightning import cli
+from moh_lightning.sweep.stopping import STOP_FILE
 
 
 def on_the_local_sweep(test):
@@ -46,9 +49,26 @@ def on_the_local_sweep(test):
 
 
 UNINTERRUPTED, STOPPED, FAILING = TRIALS = ["keep=3-seed=0", "keep=4-seed=0", "keep=5-seed=0"]
-STEPS = 20
+STEPS, EVERY = 6, 2  # steps of a trial; a checkpoint every EVERY
 # Set by pytest and CI; MLflow writes nothing in HOME where it sees one, and the sweep's user has none.
 TESTING_VARIABLES = ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS")
+
+
+class HoldForCtrlC(Callback):
+    """Holds the trial ``trial`` before the step after its step-``step`` checkpoint until the sweep was asked to stop
+    (``stop_file`` exists), so that the Ctrl-C the test sends once it sees that checkpoint finds the trial running."""
+
+    def __init__(self, trial: str, step: int, stop_file: str) -> None:
+        self.trial, self.step, self.stop_file = trial, step, Path(stop_file)
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.logger.name != self.trial or trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + 300
+        while not self.stop_file.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no stop asked within 300 s of the step-{self.step} checkpoint")
+            time.sleep(0.05)
 
 
 def _loopback(address: str) -> bool:
@@ -135,21 +155,23 @@ def local_sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
     home, tmp = base / "home", Path(tempfile.mkdtemp(dir="/tmp"))  # a short TMPDIR: Ray's sockets go below
     home.mkdir()
     overlay = base / "tiny.yaml"
-    settings = tiny_overlay(base)
-    settings["model"]["init_args"]["max_tokens"] = STEPS * 4 * 32  # a checkpoint every 5 steps
-    overlay.write_text(yaml.safe_dump(settings))
+    overlay.write_text(yaml.safe_dump(tiny_overlay(base, STEPS, EVERY)))
     out = base / "sweep"
     (out / "runs").mkdir(parents=True)
     (out / "runs" / FAILING).write_text("not a folder")
     args = ["sweep", "--fit_config", FIT_CONFIG, "--grid", json.dumps({"checkpoint.keep": [3, 4, 5]}),
             "--seeds", "[0]", "--out", str(out), "--cpus_per_trial", "1", "--reuse_workers", "true",
-            "--extra_args", json.dumps(["--config", str(overlay)])]
+            "--extra_args", json.dumps([
+                "--config", str(overlay), "--trainer.callbacks+=test_sweep_local.HoldForCtrlC",
+                f"--trainer.callbacks.trial={STOPPED}", f"--trainer.callbacks.step={EVERY}",
+                f"--trainer.callbacks.stop_file={out / STOP_FILE}"])]
     env = {key: value for key, value in os.environ.items() if key not in TESTING_VARIABLES}
-    env.update(HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+    # PYTHONPATH: the trials import HoldForCtrlC from this file.
+    env.update(HOME=str(home), TMPDIR=str(tmp), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(__file__))
     runs = out / "runs"
     stopped = _run(args, base, env, tmp, home, stop_when=lambda: bool(_checkpoints(runs / STOPPED)))
     stopped["step"] = torch.load(runs / STOPPED / "version_0/checkpoints/last.ckpt", weights_only=False)["global_step"]
-    stopped["stop_file"] = (out / "stop").exists()
+    stopped["stop_file"] = (out / STOP_FILE).exists()
     stopped["uninterrupted_run"] = run_state(runs / UNINTERRUPTED)
     again = _run(args, base, env, tmp, home)
     again["report"] = {name: (out / name).read_text() for name in ("trials.csv", "results.md")}
@@ -192,7 +214,7 @@ def test_a_stopped_sweep_saves_its_trials_exits_130_and_continues_exactly(local_
     assert said[-1].startswith("moh sweep: stopped by SIGINT: 1 of 3 trials finished, the running ones saved at a "
                                "step boundary;") and said[-1].endswith("Continue with the same command: `moh sweep` "
                                                                       "with the same arguments"), said
-    assert 5 <= stopped["step"] < STEPS
+    assert stopped["step"] == EVERY + 1  # the step during which the sweep heard it, after the first checkpoint
     assert not stopped["stop_file"]
     # The same command: the finished trial is not trained again, and the stopped one ends where it would have.
     assert run_state(out / "runs" / UNINTERRUPTED) == stopped["uninterrupted_run"]
