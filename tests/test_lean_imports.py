@@ -19,7 +19,8 @@ def test_importing_the_package_moh_help_the_block_or_a_vit_fit_loads_no_integrat
     --help` load nothing (the help lists the commands without importing torch or any of them); the block and the
     named models add nothing to what timm loads (timm imports W&B where it is installed, ``timm.utils``, and a core
     install has none); Lightning imports torchmetrics, which imports transformers where it is installed, and a ViT
-    `moh fit` adds nothing to what Lightning and timm load."""
+    `moh fit` adds nothing to what Lightning and timm load. That fit, a ``fast_dev_run``, has no run folder and writes
+    nothing in the working folder."""
     lean = sorted({command.target.partition(":")[0] for command in COMMANDS.values()} | {"torch"})
     fit = ["fit", "--config", "vit_tiny_mnist_75.yaml", "--trainer.fast_dev_run", "1",
            "--trainer.enable_progress_bar", "false"]
@@ -50,6 +51,7 @@ print(json.dumps(steps))
     assert steps["package and help"] == []
     assert steps["block"] == steps["timm"]
     assert steps["fit"] == steps["lightning"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("missing", "args", "extra"), [

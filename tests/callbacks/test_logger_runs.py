@@ -4,6 +4,7 @@ config, checkpoints and head-load files in its run folder and its logger run. Th
 the CSV logger's files, MLflow's default sqlite store and a tracking server on 127.0.0.1, W&B offline."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -16,8 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import ctrl_c_restored, pythonpath
+from conftest import ctrl_c_restored
 from faults import wait_until_the_stop_is_heard
 from lightning.pytorch import Callback
 from wandb_records import history
@@ -28,9 +28,10 @@ pytestmark = pytest.mark.slow
 
 NAME = "vit_tiny_mnist_75"
 RUN = Path("runs") / NAME / "version_0"
-# The embedded ViT shrunk to seconds: 7 steps of 5 batches an epoch, a validation after step 3, a checkpoint every 3,
-# a heatmap every step (so that a resumed run that logged one twice is seen).
-ARGS = ["--config", f"{NAME}.yaml", "--trainer.max_steps=7", "--trainer.limit_train_batches=5",
+# The embedded ViT shrunk to seconds: 5 steps of 4 batches an epoch, a validation after step 3, a checkpoint every 3,
+# a heatmap every step (so that a resumed run that logged one twice is seen). Stopped in step 4, the last of the first
+# epoch, the run continues into the next.
+ARGS = ["--config", f"{NAME}.yaml", "--trainer.max_steps=5", "--trainer.limit_train_batches=4",
         "--trainer.limit_val_batches=2", "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1",
         "--head_load.images_every_n_windows=1",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
@@ -45,33 +46,34 @@ LOGGERS = {
 }
 
 
-class PauseInStep5(Callback):
-    """Writes ``paused`` when step 5 starts (after the step-3 checkpoint) and waits there, up to 30 s, until the run's
+class PauseInStep4(Callback):
+    """Writes ``paused`` when step 4 starts (after the step-3 checkpoint) and waits there, up to 30 s, until the run's
     watchdog has heard a stop signal."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == 4:
+        if trainer.global_step == 3:
             Path("paused").touch()
             wait_until_the_stop_is_heard(trainer, seconds=30)
 
 
-class StopInStep5(Callback):
-    """Sends its own process the signal ``stop`` when step 5 starts (after the step-3 checkpoint), and waits there
+class StopInStep4(Callback):
+    """Sends its own process the signal ``stop`` when step 4 starts (after the step-3 checkpoint), and waits there
     until the run's watchdog has heard it: what a stop from outside does, in this process."""
 
     def __init__(self, stop: str) -> None:
         self.stop = getattr(signal, stop)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == 4:
+        if trainer.global_step == 3:
             os.kill(os.getpid(), self.stop)
             wait_until_the_stop_is_heard(trainer, seconds=30)
 
 
 def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = False) -> None:
-    """``moh fit`` stopped in step 5 by the signal ``stop`` (SIGINT as Ctrl-C sends it): in this process (the stop's
+    """``moh fit`` stopped in step 4 by the signal ``stop`` (SIGINT as Ctrl-C sends it): in this process (the stop's
     path is the same whatever the logger), or once in a process of its own (``process``), a server's run taken up by
-    the next process."""
+    the next process. That process is a fork of this one: a fresh interpreter would spend its first 5-10 s importing
+    torch and Lightning again, and the run it starts, stops and leaves behind on the server is the same."""
     code = 143 if stop == "SIGTERM" else 130
     if not process:
         # As ctrl_c_restored does for a process: a background job (`bash .ci/run &`) starts with SIGINT ignored, and
@@ -79,22 +81,31 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = Fa
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with pytest.raises(SystemExit) as exit_info:
-                main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.StopInStep5",
+                main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.StopInStep4",
                       f"--trainer.callbacks.stop={stop}"])
         finally:
             signal.signal(signal.SIGINT, previous)
         assert exit_info.value.code == code
         return
-    env = {**os.environ, "PYTHONPATH": pythonpath(__file__), "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    run = subprocess.Popen([sys.executable, "-m", "moh_lightning.cli", "fit", *ARGS, *logger,
-                            "--trainer.callbacks+=test_logger_runs.PauseInStep5"], cwd=folder, env=env,
-                           stdout=open(folder / "out.txt", "w"), stderr=open(folder / "err.txt", "w"),
-                           preexec_fn=ctrl_c_restored)
+    run = multiprocessing.get_context("fork").Process(target=_fit_paused, args=(folder, logger))
+    run.start()
     deadline = time.monotonic() + 300
-    while not (folder / "paused").exists() and run.poll() is None and time.monotonic() < deadline:
+    while not (folder / "paused").exists() and run.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    run.send_signal(getattr(signal, stop))
-    assert run.wait(timeout=120) == code, (folder / "err.txt").read_text()[-3000:]
+    if run.is_alive():
+        os.kill(run.pid, getattr(signal, stop))
+    run.join(timeout=120)
+    assert run.exitcode == code, (folder / "err.txt").read_text()[-3000:]
+
+
+def _fit_paused(folder: Path, logger: list[str]) -> None:
+    """The forked process's ``moh fit``, paused in step 4, its output in ``out.txt`` and ``err.txt``."""
+    ctrl_c_restored()
+    for descriptor, name in ((1, "out.txt"), (2, "err.txt")):
+        with open(folder / name, "w") as file:
+            os.dup2(file.fileno(), descriptor)
+    sys.stdout, sys.stderr = (open(descriptor, "w", buffering=1, closefd=False) for descriptor in (1, 2))
+    main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.PauseInStep4"])
 
 
 def _continue_and_validate(logger: list[str], capsys) -> str:
@@ -116,9 +127,9 @@ def _finish_wandb(exit_code: int | None = None) -> None:
 
 
 def _assert_once_each(steps: dict[str, list[int]]) -> None:
-    """Every step of the run logged once: train/loss at each of the 7 steps, no metric twice at one step (Lightning
+    """Every step of the run logged once: train/loss at each of the 5 steps, no metric twice at one step (Lightning
     logs ``epoch`` with each call, so twice where a validation follows a step)."""
-    assert sorted(steps["train/loss"]) == list(range(7)), steps["train/loss"]
+    assert sorted(steps["train/loss"]) == list(range(5)), steps["train/loss"]
     twice = {key: [step for step, n in Counter(found).items() if n > 1] for key, found in steps.items()}
     assert not {key: found for key, found in twice.items() if found and key != "epoch"}
 
@@ -155,7 +166,10 @@ def test_a_folder_logger_run_continues_in_its_folder_without_a_step_twice(kind, 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory, _empty_mlflow_store):
-    """A local MLflow tracking server on 127.0.0.1, on MLflow's recommended sqlite store."""
+    """A local MLflow tracking server on 127.0.0.1, on MLflow's recommended sqlite store, serving its artifacts.
+
+    Without MLflow's job execution (its GenAI jobs): on by default, it starts a job runner and seven huey consumers
+    beside the server, eight more processes importing MLflow on the machine the tests share, which took 40 s to end."""
     folder = tmp_path_factory.mktemp("mlflow_server")
     shutil.copyfile(_empty_mlflow_store, folder / "mlflow.db")
     with socket.socket() as probe:
@@ -164,6 +178,7 @@ def mlflow_server(tmp_path_factory, _empty_mlflow_store):
     server = subprocess.Popen([Path(sys.executable).with_name("mlflow"), "server", "--host", "127.0.0.1", "--port",
                                str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
                                "--artifacts-destination", str(folder / "artifacts")], cwd=folder,
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                               stdout=open(folder / "server.txt", "w"), stderr=subprocess.STDOUT)
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -210,7 +225,7 @@ def test_an_mlflow_run_is_continued_with_its_artifacts_and_no_step_twice(store, 
     assert {"head_load/summary.md", "head_load/loads.json", "head_load/loads_over_time.png"} <= artifacts
     images = [artifact.path for artifact in client.list_artifacts(run.info.run_id, "images")
               if artifact.path.endswith(".png") and "heatmap_train" in artifact.path]
-    assert sorted(int(path.split("+step+")[1].split("+")[0]) for path in images) == list(range(1, 8))
+    assert sorted(int(path.split("+step+")[1].split("+")[0]) for path in images) == list(range(1, 6))
     page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert f"MLflow run:  {NAME}/version_0 ({run.info.run_id})" in printed
     assert (f"{uri}/{page}" if store == "server" else f"http://127.0.0.1:5000/{page}") in printed

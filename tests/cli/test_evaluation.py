@@ -11,12 +11,14 @@ import torch
 from moh_lightning.cli import main
 
 CONFIG = "vit_tiny_folder_digits_75.yaml"
+# One block: each evaluation draws a head-load card per routed layer, and what is scored does not depend on depth.
+ONE_BLOCK = ["--model.init_args.arch.depth", "1"]
 
 
 def _fit(folder) -> str:
     main(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(folder), "--trainer.max_steps", "1",
           "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar",
-          "false"])
+          "false", *ONE_BLOCK])
     return "runs/vit_tiny_folder_digits_75/version_0/checkpoints/last.ckpt"
 
 
@@ -34,7 +36,8 @@ def _metrics(run, name: str) -> dict[str, float]:
 
 def _evaluate(subcommand: str, folder, checkpoint: str) -> None:
     main([subcommand, "--config", CONFIG, "--data.init_args.data_dir", str(folder), "--ckpt_path", checkpoint,
-          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"])
+          "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false",
+          *ONE_BLOCK])
 
 
 @pytest.mark.slow
@@ -101,42 +104,14 @@ def test_tasks_without_a_test_split_say_so(run_dir):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_other_shapes_stops_in_one_line_and_another_budget_is_said(run_dir, write_image_folder,
-                                                                                   capsys):
-    """A sweep's trial trained at 16 pixels, patch 4 and top-2, evaluated with the shipped config (32 pixels, patch
-    8, top-4): the data's 32 pixels stop in one line before anything is written; at 16 pixels the network is the
-    checkpoint's, said in one line; a top_k typed on the command line evaluates at it, said in one line."""
-    write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
-    shutil.copytree(run_dir / "data/val", run_dir / "data/test")
-    main(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--trainer.max_steps", "1",
-          "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar",
-          "false", "--data.init_args.img_size", "16", "--model.init_args.arch.patch_size", "4",
-          "--model.init_args.arch.moh.top_k", "2"])
-    run = run_dir / "runs/vit_tiny_folder_digits_50/version_0"  # named for the budget typed: 50% of the heads
-    checkpoint = str(run / "checkpoints/last.ckpt")
-    evaluate = ["--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--ckpt_path", checkpoint,
-                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"]
-    message = _one_line(["test", *evaluate])
-    assert ("holds weights of another shape (data.init_args.img_size -> model.init_args.arch.img_size: the "
-            "checkpoint's 16, yours 32)") in message
-    assert f"--config {run / 'config.yaml'}" in message
-    assert not (run / "eval").exists()
-    capsys.readouterr()
-    main(["validate", *evaluate, "--data.init_args.img_size", "16"])
-    assert ("moh: the checkpoint's network, not the config's: top_k 2 (config: 4), patch_size 4 (config: 8); a "
-            "--model.init_args.arch.* option overrides a key") in capsys.readouterr().err.splitlines()
-    assert _metrics(run, "validate-last")["val/activated_heads"] == 0.5  # 2 shared + top-2 of 6 routed heads
-    main(["validate", *evaluate, "--data.init_args.img_size", "16", "--model.init_args.arch.moh.top_k", "4"])
-    assert ("moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k); the checkpoint's network, "
-            "not the config's: patch_size 4 (config: 8)") in capsys.readouterr().err
-    assert _metrics(run, "validate-last-2")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads
-
-
-@pytest.mark.slow
-def test_a_sweep_trials_checkpoint_evaluates_with_no_config(run_dir, write_image_folder, capsys):
-    """A sweep trial's checkpoint (16 pixels, patch 4, top-2; its config.yaml written by the trial's `moh fit`)
-    evaluated with `--ckpt_path` alone: the run's own config.yaml gives its data and trainer; the test logs its head
-    load and says where; another budget is typed and said; a checkpoint outside a run folder stops in one line."""
+def test_a_sweep_trials_checkpoint_evaluates_with_no_config_and_with_the_shipped_one(run_dir, write_image_folder,
+                                                                                      capsys):
+    """A sweep trial's checkpoint (16 pixels, patch 4, 2 blocks, top-2; its config.yaml written by the trial's `moh
+    fit`). Evaluated with the shipped config (32 pixels, patch 8, 6 blocks, top-4): the data's 32 pixels stop in one
+    line before anything is written; at 16 pixels the network is the checkpoint's, said in one line. Evaluated with
+    `--ckpt_path` alone: the run's own config.yaml gives its data and trainer; the test logs its head load and says
+    where. A top_k typed on the command line evaluates at it, said in one line, with or without the config; a
+    checkpoint outside a run folder stops in one line."""
     write_image_folder(run_dir / "data", per_class=2, size=(32, 32))
     shutil.copytree(run_dir / "data/val", run_dir / "data/test")
     main(["fit", "--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--trainer.max_steps", "1",
@@ -147,6 +122,14 @@ def test_a_sweep_trials_checkpoint_evaluates_with_no_config(run_dir, write_image
           "moh=k2-seed=0"])
     run = run_dir / "sweeps/heads/runs/moh=k2-seed=0/version_0"
     checkpoint = str(run.relative_to(run_dir) / "checkpoints/last.ckpt")
+    shipped = ["--config", CONFIG, "--data.init_args.data_dir", str(run_dir / "data"), "--ckpt_path", checkpoint,
+               "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"]
+    message = _one_line(["test", *shipped])
+    assert ("holds weights of another shape (data.init_args.img_size -> model.init_args.arch.img_size: the "
+            "checkpoint's 16, yours 32)") in message
+    assert f"--config {run.relative_to(run_dir) / 'config.yaml'}" in message  # the run's, as the checkpoint was named
+    assert not (run / "eval").exists()
+
     capsys.readouterr()
     main(["test", "--ckpt_path", checkpoint, "--trainer.enable_progress_bar", "false"])
     said = capsys.readouterr()
@@ -154,10 +137,20 @@ def test_a_sweep_trials_checkpoint_evaluates_with_no_config(run_dir, write_image
     assert "moh test: metrics and head load in sweeps/heads/runs/moh=k2-seed=0/version_0/eval/test-last" in said.out
     assert (run / "eval" / "test-last" / "head_load" / "loads.json").is_file()
 
+    main(["validate", *shipped, "--data.init_args.img_size", "16"])
+    assert ("moh: the checkpoint's network, not the config's: depth 2 (config: 6), top_k 2 (config: 4), patch_size 4 "
+            "(config: 8); a --model.init_args.arch.* option overrides a key") in capsys.readouterr().err.splitlines()
+    assert _metrics(run, "validate-last")["val/activated_heads"] == 0.5  # 2 shared + top-2 of 6 routed heads
+    main(["validate", *shipped, "--data.init_args.img_size", "16", "--model.init_args.arch.moh.top_k", "4"])
+    assert ("moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k); the checkpoint's network, "
+            "not the config's: depth 2 (config: 6), patch_size 4 (config: 8)") in capsys.readouterr().err
+    assert _metrics(run, "validate-last-2")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads
     main(["validate", "--ckpt_path", checkpoint, "--model.init_args.arch.moh.top_k", "4", "--trainer.logger",
           "lightning.pytorch.loggers.CSVLogger", "--trainer.enable_progress_bar", "false"])
-    assert "moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k)" in capsys.readouterr().err
-    assert _metrics(run, "validate-last")["val/activated_heads"] == 0.75  # 2 shared + top-4 of 6 routed heads
+    said = capsys.readouterr().err
+    assert "moh: evaluating at top_k 4; trained at 2 (model.init_args.arch.moh.top_k)" in said
+    assert "not the config's" not in said
+    assert _metrics(run, "validate-last-3")["val/activated_heads"] == 0.75
 
     shutil.copy(checkpoint, "alone.ckpt")
     message = _one_line(["test", "--ckpt_path", "alone.ckpt"])
