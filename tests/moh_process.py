@@ -80,6 +80,8 @@ def start(function: Callable[[], object], cwd: Path, env: Mapping[str, str], std
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):  # nothing of this process's is repeated
         if stream is not None:
             stream.flush()
+    if torch.cuda.is_initialized():  # its forked child could not use CUDA (see _as_a_fresh_process)
+        raise RuntimeError("a process that has used CUDA cannot fork a fresh `moh`")
     files = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for path in (stdout, stderr)]
     try:
         process = _FORK.Process(target=_as_a_fresh_process, args=(function, Path(cwd), dict(env), *files), name=name)
@@ -111,6 +113,10 @@ def _as_a_fresh_process(function: Callable[[], object], cwd: Path, env: dict[str
     os.environ.clear()
     os.environ.update(env, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    # Once a process has asked CUDA how many devices there are (torch.cuda.is_available() does; so does importing
+    # diffusers), torch marks each process forked from it as one that cannot use CUDA, and Lightning's fork launcher
+    # (`ddp_fork`) then refuses to start ranks. A fresh `moh` has no such parent, and this one no CUDA context.
+    torch.cuda._is_in_bad_fork = lambda: False
     rank_zero_only.rank = _get_rank() or 0  # as Lightning sets it on import, from the environment
     _default_signals()
     _fresh_logging(captured)

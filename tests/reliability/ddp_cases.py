@@ -1,4 +1,5 @@
-"""Each task's shipped CPU config shrunk to seconds, for the DDP and FSDP runs of every registered task."""
+"""Each task's shipped CPU config shrunk to seconds, for the DDP and FSDP runs of every registered task (and the DiT
+head-load settings of the exact-resume runs)."""
 import json
 from pathlib import Path
 
@@ -13,11 +14,15 @@ def write_text_corpus(folder: Path) -> None:
         (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(2000)))
 
 
+# DiT's head-load cards (a routed layer's load per class and per timestep bucket) take seconds to draw: 2 classes, no
+# timestep buckets. They are counted, summed over the ranks and drawn as ever.
+HEAD_LOAD_CARDS_SHRUNK = ["--head_load.max_groups=2", "--head_load.timestep_buckets=0"]
 # Each shipped config shrunk to seconds: 2 blocks, 3 optimizer steps on each of 2 processes, one validation batch at
 # the end.
 DIT_SHRUNK = ["--data.init_args.batch_size=8", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3",
               "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
-              "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2"]
+              "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
+              *HEAD_LOAD_CARDS_SHRUNK]
 DDP_TASKS = {
     "classification": ("vit_tiny_mnist_75", ["--data.init_args.batch_size=16", "--trainer.limit_val_batches=1",
                                              "--trainer.val_check_interval=3", "--model.init_args.arch.depth=2"]),

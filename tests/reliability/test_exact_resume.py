@@ -26,6 +26,7 @@ import pytest
 import torch
 import yaml
 from conftest import run_checkpoints
+from ddp_cases import HEAD_LOAD_CARDS_SHRUNK
 from exact_runs import (
     RUN,
     VIT,
@@ -254,7 +255,7 @@ COMMON = ["--trainer.deterministic=true", "--trainer.limit_train_batches=4", "--
 DIT = ["--config", resolve_config("dit_mnist_90.yaml"), *COMMON,
        "--model.init_args.arch.depth=2", "--model.init_args.arch.embed_dim=64",
        "--model.init_args.arch.moh.num_shared_heads=4", "--model.init_args.arch.moh.top_k=2",
-       "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8"]
+       "--model.init_args.warmup_steps=3", "--data.init_args.batch_size=8", *HEAD_LOAD_CARDS_SHRUNK]
 LM = ["--config", resolve_config("llm_stdlib_75.yaml"), *COMMON,
       "--model.init_args.arch={vocab_size: 259, depth: 1, embed_dim: 64, num_heads: 4, head_dim: 16, "
       "intermediate_size: 128, block_size: 32, moh: {num_shared_heads: 2, top_k: 1}}",
