@@ -32,28 +32,27 @@ def _steps(events: EventAccumulator, kind: str, tag: str) -> list[int]:
     return [event.step for event in getattr(events, kind)(tag)]
 
 
-@pytest.mark.parametrize("evaluation", ["validate", "test"])
 @pytest.mark.slow
-def test_an_evaluation_is_logged_at_its_checkpoints_step(tmp_path, evaluation):
+def test_an_evaluation_is_logged_at_its_checkpoints_step(tmp_path):
     trainer = fit_tiny(TinyTask(), TensorBoardLogger(tmp_path, name="tb", version=0), tmp_path)
     checkpoint = tmp_path / "step6.ckpt"
     trainer.save_checkpoint(checkpoint)
-    logger = TensorBoardLogger(tmp_path, name="tb", version=evaluation)
-    evaluator = Trainer(logger=logger, callbacks=[HeadLoadCallback(), LoggerRuns()], enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=2, limit_test_batches=2)
-    getattr(evaluator, evaluation)(TinyTask(), ckpt_path=checkpoint)
-    events = _events(logger.log_dir)
-    tag = {"validate": "val", "test": "test"}[evaluation]
-    # Lightning's own metric and the head-load heatmaps at step 6, beside the fit's curves, not at 0.
-    assert _steps(events, "Scalars", f"{tag}/loss") == [6]
-    assert _steps(events, "Images", f"head_load/heatmap_{tag}") == [6]
-    assert _steps(events, "Images", "head_load/per_class_layer_00") == [6]
-    snapshot = HeadLoadSnapshot.load(Path(logger.log_dir) / "head_load" / "loads.json")
-    assert snapshot.step == 6  # the heatmap's title, "Head load · validation · step 6", is drawn from it
+    for evaluation, tag in (("validate", "val"), ("test", "test")):
+        logger = TensorBoardLogger(tmp_path, name="tb", version=evaluation)
+        evaluator = Trainer(logger=logger, callbacks=[HeadLoadCallback(), LoggerRuns()], enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=2, limit_test_batches=2)
+        getattr(evaluator, evaluation)(TinyTask(), ckpt_path=checkpoint)
+        events = _events(logger.log_dir)
+        # Lightning's own metric and the head-load heatmaps at step 6, beside the fit's curves, not at 0.
+        assert _steps(events, "Scalars", f"{tag}/loss") == [6], evaluation
+        assert _steps(events, "Images", f"head_load/heatmap_{tag}") == [6], evaluation
+        assert _steps(events, "Images", "head_load/per_class_layer_00") == [6], evaluation
+        snapshot = HeadLoadSnapshot.load(Path(logger.log_dir) / "head_load" / "loads.json")
+        assert snapshot.step == 6  # the heatmap's title, "Head load · validation · step 6", is drawn from it
 
 
 @pytest.mark.slow
-def test_the_last_training_heatmap_and_histogram_are_the_last_steps(tmp_path):
+def test_each_window_has_its_histograms_and_the_last_heatmap_and_coloured_load_card_are_the_last_steps(tmp_path):
     # Windows of 2 batches close at steps 2, 4 and 6; the seventh step's batch closes one more when training ends.
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     fit_tiny(TinyTask(), logger, tmp_path, max_steps=7)
@@ -63,18 +62,12 @@ def test_the_last_training_heatmap_and_histogram_are_the_last_steps(tmp_path):
     assert _steps(events, "Scalars", "head_load_per_head/layer_00/head_01") == [2, 4, 6, 7]
     assert _steps(events, "Histograms", "head_load_vs_even/layer_00") == [2, 4, 6, 7]
 
-
-@pytest.mark.slow
-def test_each_routed_layer_has_a_histogram_of_its_head_loads_every_window(tmp_path):
-    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    fit_tiny(TinyTask(), logger, tmp_path)
-    events = _events(logger.log_dir)
     tags = events.Tags()
     # The Histograms and Distributions tabs: routed layer 0 only (layer 1 has 4 shared heads and no router).
     assert tags["histograms"] == ["head_load_vs_even/layer_00"]
     assert tags["distributions"] == ["head_load_vs_even/layer_00"]
     for event in events.Histograms("head_load_vs_even/layer_00"):
-        loads = [events.Scalars(f"head_load_per_head/layer_00/head_{head:02d}")[[2, 4, 6].index(event.step)].value
+        loads = [events.Scalars(f"head_load_per_head/layer_00/head_{head:02d}")[[2, 4, 6, 7].index(event.step)].value
                  for head in ROUTED_HEADS]
         histogram = event.histogram_value
         assert histogram.num == len(ROUTED_HEADS)
@@ -83,12 +76,7 @@ def test_each_routed_layer_has_a_histogram_of_its_head_loads_every_window(tmp_pa
         assert histogram.min == pytest.approx(min(loads) / EVEN, abs=1e-5)
         assert histogram.max == pytest.approx(max(loads) / EVEN, abs=1e-5)
 
-
-@pytest.mark.slow
-def test_each_routed_head_has_its_own_colour_and_legend_entry_in_the_load_over_time_card(tmp_path):
-    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    fit_tiny(TinyTask(), logger, tmp_path, images_every_n_windows=1)
-    events = _events(logger.log_dir)
+    # The last load-over-time card (four windows): each routed head has its own colour and legend entry.
     image = events.Images("head_load/over_time_layer_00")[-1]
     card = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")).astype(int)
     height, width, _ = card.shape

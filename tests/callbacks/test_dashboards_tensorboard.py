@@ -19,9 +19,10 @@ from moh_lightning.cli import main
 
 pytestmark = pytest.mark.server
 
+# Two blocks, each a routed layer: a card each per window and validation.
 SMOKE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
          "--data.init_args.batch_size=32", "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false",
-         "--trainer.enable_model_summary=false"]
+         "--trainer.enable_model_summary=false", "--model.init_args.arch.depth=2"]
 RUN = "vit_tiny_mnist_75/version_0"
 HPARAMS = {"moh/activated_fraction": 0.75, "moh/shared_heads": 2.0, "moh/top_k": 4.0, "moh/load_balance_beta": 0.01,
            "moh/router": "learned", "task": "ImageClassifier"}
@@ -29,7 +30,8 @@ HPARAMS = {"moh/activated_fraction": 0.75, "moh/shared_heads": 2.0, "moh/top_k":
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``runs/`` of one short ``moh fit`` of the embedded MNIST ViT (4 steps, windows of 2, one validation)."""
+    """``runs/`` of one short ``moh fit`` of the embedded MNIST ViT (2 blocks, 4 steps, windows of 2, one
+    validation)."""
     folder = tmp_path_factory.mktemp("dashboards")
     cwd = os.getcwd()
     os.chdir(folder)
@@ -101,10 +103,10 @@ def _check_serves_the_run(board: TensorBoard) -> None:
     # Heatmap images: every window, every validation, and one per-class view per routed layer.
     tags = board.get("/data/plugin/images/tags")[RUN]
     expected = {"head_load/heatmap_train", "head_load/heatmap_val"} | {
-        f"head_load/{view}_layer_{layer:02d}" for layer in range(6) for view in ("per_class", "over_time")}
+        f"head_load/{view}_layer_{layer:02d}" for layer in range(2) for view in ("per_class", "over_time")}
     assert expected <= set(tags)
     assert tags["head_load/heatmap_train"]["samples"] == 1
-    for tag in ("head_load/heatmap_val", "head_load/per_class_layer_05"):
+    for tag in ("head_load/heatmap_val", "head_load/per_class_layer_01"):
         entries = board.get(f"/data/plugin/images/images?{_query(run=RUN, tag=tag, sample=0)}")
         assert [entry["step"] for entry in entries] == [4]
         png = board.raw(f"/data/plugin/images/individualImage?{entries[-1]['query']}")
@@ -112,20 +114,20 @@ def _check_serves_the_run(board: TensorBoard) -> None:
         assert width >= 560 and width / height > 1.4, (tag, width, height)
     # Histograms and Distributions: each routed layer's load ÷ even load, every window.
     histograms = board.get("/data/plugin/histograms/tags")[RUN]
-    assert set(histograms) == {f"head_load_vs_even/layer_{layer:02d}" for layer in range(6)}
-    entries = board.get(f"/data/plugin/histograms/histograms?{_query(run=RUN, tag='head_load_vs_even/layer_03')}")
+    assert set(histograms) == {f"head_load_vs_even/layer_{layer:02d}" for layer in range(2)}
+    entries = board.get(f"/data/plugin/histograms/histograms?{_query(run=RUN, tag='head_load_vs_even/layer_01')}")
     assert [entry[1] for entry in entries] == [2, 4]
 
     # Custom scalars: one chart per layer whose regex draws one line per routed head.
     layout = board.get("/data/plugin/custom_scalars/layout")
     charts = {chart["title"]: chart["multiline"]["tag"] for category in layout["category"]
               for chart in category["chart"]}
-    assert [f"layer {layer:02d}: routed-head load (share of tokens)" in charts for layer in range(6)] == [True] * 6
-    regex = charts["layer 03: routed-head load (share of tokens)"][0]
+    assert [f"layer {layer:02d}: routed-head load (share of tokens)" in charts for layer in range(2)] == [True] * 2
+    regex = charts["layer 01: routed-head load (share of tokens)"][0]
     answer = board.get(f"/data/plugin/custom_scalars/scalars?{_query(run=RUN, tag=regex)}")
     assert answer["regex_valid"]
     lines = answer["tag_to_events"]
-    assert sorted(lines) == [f"head_load_per_head/layer_03/head_{head:02d}" for head in range(2, 8)]
+    assert sorted(lines) == [f"head_load_per_head/layer_01/head_{head:02d}" for head in range(2, 8)]
     assert all(len(points) == 2 for points in lines.values())  # windows at steps 2 and 4
     for step in range(2):  # each token uses exactly top-4 of the 6 routed heads
         assert sum(points[step][2] for points in lines.values()) == pytest.approx(4.0, abs=1e-5)
@@ -134,7 +136,7 @@ def _check_serves_the_run(board: TensorBoard) -> None:
     assert board.get("/data/plugin/text/tags")[RUN] == ["head_load/summary/text_summary"]
     text = board.get(f"/data/plugin/text/text?{_query(run=RUN, tag='head_load/summary/text_summary')}")
     html = text[-1]["text"]
-    assert "<table>" in html and "<td>5</td>\n<td>2 shared + top-4 of 6 routed</td>" in html
+    assert "<table>" in html and "<td>1</td>\n<td>2 shared + top-4 of 6 routed</td>" in html
     assert "most used routed head" in html and "Load of every head" in html
 
     # HParams: one vocabulary, and the run's final metrics (not hp_metric = -1).
