@@ -33,10 +33,13 @@ if [ -n "$DRY" ]; then
     # One pair, one timed step: the other tasks' rows, eager and compiled, are benchmarks/tests/test_steps.py's.
     STEPS=(--quick true --configs "[vit_tiny_mnist_75]" --compile_backend aot_eager --repeats 1 --warmup 0)
     LOADER=(--quick true --workers "[0]")
+    # One process: on the CPU every CUDA test skips, and two pytest-xdist workers would each import them again.
+    TESTS=(-n 0)
 else
     DEVICE=cuda
     STEPS=(--repeats 20 --warmup 5)
     LOADER=(--workers "[1,4,8,16]" --batches 4)
+    TESTS=()
 fi
 # The CUDA tests, most telling first: the fused router and liger-kernel's kernels (never run on a GPU yet), the
 # blocks compiled without graph breaks, no host read in a step, the router's compiled passes (96 Triton compiles),
@@ -106,7 +109,7 @@ call() {
         cp "$OUT/steps.json" results/gpu/steps.json
     fi
     phase loader 60 "$PYTHON" benchmarks/loader.py "${LOADER[@]}" --output "$OUT/loader.json"
-    phase tests 600 "$PYTHON" -m pytest -v -p no:cacheprovider -rfEs --durations=15 "${CUDA_TESTS[@]}"
+    phase tests 600 "$PYTHON" -m pytest -v -p no:cacheprovider -rfEs --durations=15 "${TESTS[@]}" "${CUDA_TESTS[@]}"
     finish
 }
 

@@ -20,9 +20,16 @@ from moh_lightning.models import transnext, vit
 
 MODULES = [module.__name__.rsplit(".", 1)[-1] for module in (vit, transnext)]
 NAMES = timm.list_models(module=MODULES)
-# The tracing tests (fx, export, TorchScript) take seconds a model: the fast subset keeps one model per family.
+# The tracing tests (fx, export, TorchScript) take seconds a model (a TransNeXt's export up to 8), so they trace one
+# model per code path, every model being built tiny: a MoH-ViT with a budget per layer (top-k changes from block to
+# block; S-80's too) and one with one budget for every layer (B-50's and the generic one's too); a dense TransNeXt
+# (its three sizes run the same code); a MoH-TransNeXt whose first two stages share every head (S-80, S-75, B-75 and
+# the generic one too: the same layers with other counts), and B-50, whose routers reach every stage.
+TRACED_NAMES = ["moh_vit_small_patch16_224_75", "moh_vit_base_patch16_224_75", "transnext_micro",
+                "moh_transnext_micro_75", "moh_transnext_base_50"]
+# The fast subset keeps one model per family.
 FAST = {"moh_vit_small_patch16_224_75", "moh_transnext_micro_75", "transnext_micro"}
-TRACED = [pytest.param(name, marks=() if name in FAST else pytest.mark.slow) for name in NAMES]
+TRACED = [pytest.param(name, marks=() if name in FAST else pytest.mark.slow) for name in TRACED_NAMES]
 
 
 def _tiny(name: str) -> tuple[dict, int]:
@@ -49,6 +56,7 @@ def _create(name: str, seed: int = 0, **kwargs) -> tuple[torch.nn.Module, torch.
 
 def test_every_named_model_is_registered_with_timm():
     assert set(NAMES) == set(vit.NAMED_VITS) | set(transnext.NAMED_MODELS)
+    assert set(TRACED_NAMES) <= set(NAMES)
 
 
 @pytest.mark.slow

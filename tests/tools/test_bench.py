@@ -13,9 +13,16 @@ from moh_lightning.tools.bench import bench
 
 @pytest.mark.slow
 def test_bench_quick_prints_progress_its_page_and_a_verdict(run_dir, capsys, monkeypatch):
-    # The quick bench's core table as it is (its verdict is asserted); the layer and decoding tables at their shortest
-    # length and cache only, the same code at a fraction of the work.
-    layer_section, decode_section = bench_module.layer_section, bench_module.decode_section
+    # The same code at a fraction of the work: the core table at 128 and 256 tokens where the quick bench asks for 128
+    # and 1,024 (what it asks is asserted), the layer and decoding tables at their shortest length and cache only.
+    core_section, layer_section, decode_section = (bench_module.core_section, bench_module.layer_section,
+                                                   bench_module.decode_section)
+    asked = []
+
+    def shorter_core(report, timer, lengths, *args, **kwargs):
+        asked.append(lengths)
+        core_section(report, timer, (lengths[0], 256), *args, **kwargs)
+    monkeypatch.setattr(bench_module, "core_section", shorter_core)
     monkeypatch.setattr(bench_module, "layer_section",
                         lambda report, timer, lengths, *args: layer_section(report, timer, (128,), *args))
     monkeypatch.setattr(bench_module, "decode_section",
@@ -29,9 +36,10 @@ def test_bench_quick_prints_progress_its_page_and_a_verdict(run_dir, capsys, mon
     assert path.parent.parent == Path("bench") and path.name == "bench_attention.md"  # never over results/
     assert "moh bench: [5/5] whole models' training steps ..." in printed and f"moh bench: wrote {path}" in printed
     text = path.read_text()
-    assert "| bidirectional | 1024 | fwd |" in text and "## KV-cache decoding" in text and "## Targets" in text
+    assert asked == [(128, 1024)]  # 1,024: a length where the CPU's head-sparse path may win
+    assert "| bidirectional | 256 | fwd |" in text and "## KV-cache decoding" in text and "## Targets" in text
     verdict = text[text.index("## Verdict"):]
-    assert "attention core at N = 1024 with 50% of heads" in verdict  # a length where the CPU path may win
+    assert "attention core at N = 256 with 50% of heads" in verdict
     assert "training step of vit_tiny_mnist_75 (dense: vit_tiny_mnist_100)" in verdict
     assert verdict.strip() in printed  # the terminal ends with the page's verdict
     assert path.with_suffix(".png").is_file()

@@ -38,8 +38,15 @@ TINY = TransNeXtConfig(img_size=32, patch_size=2, in_chans=1, num_classes=10, em
                        drop_path_rate=0.0, moh=MoHConfig(num_shared_heads=[2, 1, 0, 2], top_k=[0, 2, 2, 1]))
 
 
+@pytest.fixture
+def meta_init_skipped(monkeypatch):
+    """No initialisation for networks built on the meta device, whose weights have no values to set: there torch runs
+    its Python reference ops for every truncated normal, seconds a large model, and nothing checked here reads them."""
+    monkeypatch.setattr(TransNeXt, "init_weights", lambda self: None)
+
+
 @pytest.mark.parametrize("name", sorted(set(NAMED_MODELS) - {GENERIC_TRANSNEXT}))
-def test_named_models_have_the_authors_sizes_and_head_budgets(name):
+def test_named_models_have_the_authors_sizes_and_head_budgets(name, meta_init_skipped):
     with torch.device("meta"):
         model = timm.create_model(name)
     parameters, paper_millions, active = AUTHORS[name]
@@ -265,7 +272,7 @@ def test_export_timm_round_trips_a_moh_vit_and_refuses_other_checkpoints(tmp_pat
 
 
 @pytest.mark.slow
-def test_named_transnext_configs_are_the_shipped_experiments():
+def test_named_transnext_configs_are_the_shipped_experiments(meta_init_skipped):
     from moh_lightning.trainer_cli import MoHLightningCLI
 
     for name, config in [("moh_transnext_small_75", "moh_transnext_small_75.yaml"),
