@@ -1,12 +1,11 @@
 """Two-process DDP on CPU (gloo): agrees with one process over the same data (load-balance loss, head loads,
 weights), and `moh fit` trains every task under Lightning's DDP strategy, its forked ranks one thread each."""
 import csv
+import importlib
 import math
 import os
 from pathlib import Path
 
-# DiT's training step imports it (seconds): imported once here, so the forked ranks do not each import it again.
-import diffusers.training_utils  # noqa: F401
 import pytest
 import torch
 from conftest import run_checkpoints
@@ -106,6 +105,8 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     config, overrides = DDP_TASKS[task]
     if task == "language_model":
         write_text_corpus(run_dir / "corpus")
+    if task == "diffusion":  # its training step imports diffusers.training_utils (seconds): here once, not in each rank
+        importlib.import_module("diffusers.training_utils")
     # The ViT is forked from a process of 2 OpenMP threads: forked ranks of more than one thread would hang in DDP's
     # first broadcast (GNU OpenMP is not fork-safe; the test's timeout fails it), so they run one each and say so.
     threads = 2 if task == "classification" else torch.get_num_threads()
@@ -114,7 +115,7 @@ def test_moh_fit_trains_every_task_under_lightning_ddp_with_two_cpu_processes(ta
     torch.set_num_threads(threads)
     torch.ones(256, 256) @ torch.ones(256, 256)  # this process's OpenMP threads have run
     # Forked from this process (ddp_fork: Lightning's DDP strategy with the fork launcher), so no process imports
-    # the suite again; FSDP's test starts 2 processes of its own.
+    # the suite again; FSDP's test forks 2 processes of its own.
     try:
         main(["fit", "--config", f"{config}.yaml", "--trainer.strategy=ddp_fork", "--trainer.devices=2",
               "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",

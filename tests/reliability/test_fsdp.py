@@ -5,6 +5,7 @@ Lightning's FSDPStrategy refuses CPU, so the shipped overlay's class is swapped 
 which only wraps with ``device_id=cpu``; its settings (auto-wrap policy, ``use_orig_params``, full-state
 checkpoints) are the overlay's.
 """
+import importlib
 import json
 import math
 import os
@@ -12,8 +13,6 @@ import socket
 from functools import partial
 from pathlib import Path
 
-# DiT's training step imports it (seconds): imported once here, so the forked ranks do not each import it again.
-import diffusers.training_utils  # noqa: F401
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,6 +103,8 @@ def _fit_every_task(root: Path) -> None:
     # task's fit joins the process group of the first.
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "NODE_RANK": "0"}
+    # DiT's training step imports diffusers.training_utils (seconds): imported here once, not in each rank.
+    importlib.import_module("diffusers.training_utils")
     ranks = [start(partial(_fit_each, runs), root, {**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
                    stdout=root / f"out{rank}.txt", stderr=root / f"err{rank}.txt") for rank in (0, 1)]
     try:
