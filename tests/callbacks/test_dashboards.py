@@ -30,8 +30,8 @@ def _csv_rows(folder: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(tmp_path):
-    trainer = fit_tiny(TinyTask(timesteps=True), CSVLogger(tmp_path, name="", version=""), tmp_path)
+def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars_and_head_figures_draws_it(tmp_path):
+    trainer = fit_tiny(TinyTask(timesteps=True), CSVLogger(tmp_path, name="run", version=0), tmp_path)
     folder = Path(trainer.log_dir) / "head_load"
     for name in ("layers.png", "class_layer_00.png", "timestep_layer_00.png", "loads.json", "loads_history.jsonl",
                  "summary.md", "loads_over_time.png"):
@@ -66,21 +66,30 @@ def test_csv_run_folder_gets_heatmaps_loads_summary_and_exact_per_head_scalars(t
     assert "| layer | budget |" in summary and "| 0 | 1 shared + top-2 of 3 routed |" in summary
     assert "4 shared heads (no routed heads)" in summary and "No routed head fell under 1%" in summary
 
+    # `moh head-figures`: the paper figures from the run folder, no checkpoint needed.
+    out = tmp_path / "figs"
+    main(["head-figures", "--run", str(Path(trainer.log_dir)), "--out", str(out)])
+    for stem in ("layers", "class_layer_00", "timestep_layer_00"):
+        assert (out / f"{stem}.pdf").read_bytes().startswith(b"%PDF")
+        assert Image.open(out / f"{stem}.png").size[0] > 300
+    main(["head-figures", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "newest"), "--formats", "[svg]"])
+    assert sorted(p.name for p in (tmp_path / "newest").iterdir()) == [
+        "class_layer_00.svg", "layers.svg", "timestep_layer_00.svg"]
+    with pytest.raises(SystemExit, match="no head_load/loads.json"):
+        main(["head-figures", "--run", str(tmp_path / "figs"), "--out", str(tmp_path / "x")])
 
-# Every window, and the default (the 10th: more windows than the run has, so the first and the last). Every 2nd drew
-# what the default does (its 2nd window after the first is the last); the validations' test below skips one.
-@pytest.mark.parametrize(("every", "drawn"), [(None, [2, 6]), (1, [2, 4, 6])])
+
 @pytest.mark.slow
-def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path, every, drawn):
+def test_tensorboard_events_hold_images_text_layout_and_first_hparams_record(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = fit_tiny(TinyTask(), logger, tmp_path, **({} if every is None else {"images_every_n_windows": every}))
+    trainer = fit_tiny(TinyTask(), logger, tmp_path, images_every_n_windows=1)
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
     tags = events.Tags()
     assert {"head_load/heatmap_train", "head_load/heatmap_val", "head_load/per_class_layer_00"} <= set(tags["images"])
-    # Windows end at steps 2, 4 and 6; the first window and every n-th after it are drawn (by default the 10th), and
-    # the last one when training ends.
-    assert [image.step for image in events.Images("head_load/heatmap_train")] == drawn
-    assert [image.step for image in events.Images("head_load/over_time_layer_00")] == drawn
+    # Windows end at steps 2, 4 and 6, each drawn (by default the first, every 10th and the last: the validations'
+    # test below).
+    assert [image.step for image in events.Images("head_load/heatmap_train")] == [2, 4, 6]
+    assert [image.step for image in events.Images("head_load/over_time_layer_00")] == [2, 4, 6]
     assert "head_load/over_time_layer_01" not in tags["images"]  # layer 1 routes nothing
     assert len(events.Images("head_load/heatmap_val")) == 2
     assert "head_load_balance/final_load_entropy" in tags["scalars"]
@@ -182,21 +191,6 @@ def test_mlflow_sqlite_store_gets_step_images_metrics_params_and_text(tmp_path, 
         assert any(path.startswith(f"images/{key}+step+") for path in images), key
 
 
-@pytest.mark.slow
-def test_head_figures_renders_pdf_and_png_from_a_run_folder(tmp_path):
-    trainer = fit_tiny(TinyTask(timesteps=True), CSVLogger(tmp_path, name="run", version=0), tmp_path)
-    out = tmp_path / "figs"
-    main(["head-figures", "--run", str(Path(trainer.log_dir)), "--out", str(out)])
-    for stem in ("layers", "class_layer_00", "timestep_layer_00"):
-        assert (out / f"{stem}.pdf").read_bytes().startswith(b"%PDF")
-        assert Image.open(out / f"{stem}.png").size[0] > 300
-    main(["head-figures", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "newest"), "--formats", "[svg]"])
-    assert sorted(p.name for p in (tmp_path / "newest").iterdir()) == [
-        "class_layer_00.svg", "layers.svg", "timestep_layer_00.svg"]
-    with pytest.raises(SystemExit, match="no head_load/loads.json"):
-        main(["head-figures", "--run", str(tmp_path / "figs"), "--out", str(tmp_path / "x")])
-
-
 def test_cards_stay_wide_and_readable():
     layers = [LayerLoad(index=i, num_heads=8, shared=2, top_k=4, load=[1, 1, .6, .7, .8, .5, .7, .7]) for i in range(6)]
     snapshot = HeadLoadSnapshot(step=10, epoch=0, split="validation", layers=layers)
@@ -234,13 +228,16 @@ def test_hparams_columns_are_the_metrics_each_task_logs():
 
 
 @pytest.mark.slow
-def test_validation_heatmaps_every_n_validations_and_the_last_at_the_end(tmp_path):
+def test_heatmaps_every_n_validations_and_windows_and_the_last_at_the_end(tmp_path):
     # Validations at steps 3, 6, 11 and 14 (8 batches an epoch): the first and every 2nd after it are drawn (not the
     # second), and the last once training ends, so the run folder's heatmaps are always the last validation's;
-    # loads.json is written at every validation.
+    # loads.json is written at every validation. Training windows end at steps 2, 4, ..., 14: by default the first and
+    # every 10th are drawn, and the last when training ends.
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     trainer = fit_tiny(TinyTask(), logger, tmp_path, max_steps=14, images_every_n_validations=2)
     events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0}).Reload()
     for tag in ("head_load/heatmap_val", "head_load/per_class_layer_00"):
         assert [image.step for image in events.Images(tag)] == [3, 11, 14]
     assert HeadLoadSnapshot.load(Path(trainer.log_dir) / "head_load" / "loads.json").step == 14
+    for tag in ("head_load/heatmap_train", "head_load/over_time_layer_00"):
+        assert [image.step for image in events.Images(tag)] == [2, 14]
