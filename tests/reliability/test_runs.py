@@ -38,35 +38,6 @@ def _snapshot(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_a_run_of_the_same_config_never_resumes_another_runs_weights(run_dir):
-    """The house issue's collision: two runs of one config, other data and name, the second with --ckpt_path last."""
-    mine, other = _corpus(run_dir / "my_corpus", 0), _corpus(run_dir / "other_corpus", 1)
-    _fit(mine, "--trainer.logger.init_args.name", "my_run")
-    first = run_dir / "runs" / "my_run"
-    assert (first / "version_0" / "checkpoints" / "last.ckpt").is_file()
-    before = _snapshot(first)
-
-    _fit(other, "--ckpt_path", "last")  # named after the config: nothing of my_run to resume
-
-    assert _snapshot(first) == before  # every file of the first run intact
-    second = run_dir / "runs" / "llm_stdlib_75" / "version_0"
-    saved = torch.load(second / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    first_saved = torch.load(first / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
-                             weights_only=False)
-    assert saved["global_step"] == first_saved["global_step"]  # it trained its full budget from scratch
-    assert not torch.equal(saved["state_dict"]["model.embed.weight"], first_saved["state_dict"]["model.embed.weight"])
-
-
-def test_a_run_that_saves_into_a_folder_holding_checkpoints_is_still_warned(run_dir, recwarn):
-    """Lightning's warning stays where it is no intended resume: a fresh run whose checkpoint folder holds files."""
-    corpus = _corpus(run_dir / "corpus", 0)
-    (run_dir / "kept").mkdir()
-    (run_dir / "kept" / "old.ckpt").write_bytes(b"")
-    _fit(corpus, "--model.init_args.max_tokens", "512", "--checkpoint.dirpath", "kept")
-    assert [w for w in recwarn if "Checkpoint directory" in str(w.message) and "exists and is not empty" in
-            str(w.message)]
-
-
 class FailAtStart(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         raise RuntimeError("failed before the first step")
@@ -80,17 +51,21 @@ def test_a_run_that_fails_before_it_starts_leaves_no_folder(run_dir):
 
 def test_a_finished_run_is_kept_by_what_cannot_continue_it_and_continues_in_its_own_folder(run_dir, capsys,
                                                                                           recwarn):
-    """One finished run (8 steps) and what is done with it, in turn: resumed with other data, refused in one line;
-    a fresh run that fails before its first step, no folder beside it; continued for longer (and more loader
-    workers), in its own folder, with one line on what that does to the learning-rate schedule and without
-    Lightning's warning that the checkpoint folder "exists and is not empty" (it holds the checkpoints the run
-    continues); resumed under its name with another head budget, refused; a fresh run of the config, a new folder."""
+    """One finished run (8 steps) and what is done beside it, in turn: resumed with other data, refused in one line;
+    the house issue's collision, a run of the same config with other data and another name started with
+    --ckpt_path last, which trains from scratch; a fresh run that fails before its first step, no folder; the run
+    continued for longer (and more loader workers), in its own folder, with one line on what that does to the
+    learning-rate schedule and without Lightning's warning that the checkpoint folder "exists and is not empty" (it
+    holds the checkpoints the run continues); resumed under its name with another head budget, refused; a fresh run
+    of the config, a new folder, and Lightning's warning where it is no intended resume (a checkpoint folder of the
+    user's, holding files)."""
     corpus, other = _corpus(run_dir / "corpus", 0), _corpus(run_dir / "other", 1)
     _fit(corpus)
     run = run_dir / "runs" / "llm_stdlib_75"
     version = run / "version_0"
     first = torch.load(version / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert first["tokens_seen"] == 2048
+    files = _snapshot(run)
 
     before = _snapshot(run_dir / "runs")
     with pytest.raises(SystemExit) as stop:
@@ -99,9 +74,17 @@ def test_a_finished_run_is_kept_by_what_cannot_continue_it_and_continues_in_its_
     assert "\n" not in message and "data.init_args.sources" in message and "version_0" in message
     assert _snapshot(run_dir / "runs") == before
 
+    _fit(other, "--trainer.logger.init_args.name", "other_run", "--ckpt_path", "last")  # nothing of its own to resume
+    assert _snapshot(run) == files  # every file of the first run intact
+    saved = torch.load(run_dir / "runs" / "other_run" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                       weights_only=True)
+    assert saved["global_step"] == first["global_step"]  # it trained its full budget from scratch
+    assert not torch.equal(saved["state_dict"]["model.embed.weight"], first["state_dict"]["model.embed.weight"])
+
+    before = _snapshot(run_dir / "runs")
     with pytest.raises(RuntimeError, match="before the first step"):
         _fit(corpus, "--trainer.callbacks+=test_runs.FailAtStart")
-    assert _snapshot(run_dir / "runs") == before  # that run stays as it was, and the failed one leaves no version_1
+    assert _snapshot(run_dir / "runs") == before  # the runs stay as they were, and the failed one leaves no version_1
     assert [p.name for p in run.iterdir()] == ["version_0"]
 
     capsys.readouterr()
@@ -124,5 +107,10 @@ def test_a_finished_run_is_kept_by_what_cannot_continue_it_and_continues_in_its_
              "--trainer.logger.init_args.name", "llm_stdlib_75", "--ckpt_path", "last")
     assert "model.init_args.arch.moh.top_k" in str(stop.value) and "max_tokens" not in str(stop.value)
 
-    _fit(corpus, "--model.init_args.max_tokens", "512")  # without --ckpt_path: a new run of the same name
+    (run_dir / "kept").mkdir()
+    (run_dir / "kept" / "old.ckpt").write_bytes(b"")
+    recwarn.clear()
+    _fit(corpus, "--model.init_args.max_tokens", "512", "--checkpoint.dirpath", "kept")  # without --ckpt_path
     assert sorted(p.name for p in run.iterdir()) == ["version_0", "version_1"]
+    assert [w for w in recwarn if "Checkpoint directory" in str(w.message) and "exists and is not empty" in
+            str(w.message)]
