@@ -4,7 +4,6 @@ config, checkpoints and head-load files in its run folder and its logger run. Th
 the CSV logger's files, MLflow's default sqlite store and a tracking server on 127.0.0.1, W&B offline."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import signal
@@ -17,9 +16,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import ctrl_c_restored
 from faults import wait_until_the_stop_is_heard
 from lightning.pytorch import Callback
+from moh_process import start_moh
 from wandb_records import history
 
 from moh_lightning.cli import main
@@ -76,7 +75,7 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = Fa
     torch and Lightning again, and the run it starts, stops and leaves behind on the server is the same."""
     code = 143 if stop == "SIGTERM" else 130
     if not process:
-        # As ctrl_c_restored does for a process: a background job (`bash .ci/run &`) starts with SIGINT ignored, and
+        # As a `moh` process restores it: a background job (`bash .ci/run &`) starts with SIGINT ignored, and
         # the run rightly leaves an ignored signal alone.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
@@ -87,25 +86,13 @@ def _fit_and_stop(folder: Path, logger: list[str], stop: str, process: bool = Fa
             signal.signal(signal.SIGINT, previous)
         assert exit_info.value.code == code
         return
-    run = multiprocessing.get_context("fork").Process(target=_fit_paused, args=(folder, logger))
-    run.start()
+    run = start_moh(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.PauseInStep4"], Path.cwd(),
+                    os.environ, folder / "out.txt", folder / "err.txt")
     deadline = time.monotonic() + 300
-    while not (folder / "paused").exists() and run.is_alive() and time.monotonic() < deadline:
+    while not (folder / "paused").exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    if run.is_alive():
-        os.kill(run.pid, getattr(signal, stop))
-    run.join(timeout=120)
-    assert run.exitcode == code, (folder / "err.txt").read_text()[-3000:]
-
-
-def _fit_paused(folder: Path, logger: list[str]) -> None:
-    """The forked process's ``moh fit``, paused in step 4, its output in ``out.txt`` and ``err.txt``."""
-    ctrl_c_restored()
-    for descriptor, name in ((1, "out.txt"), (2, "err.txt")):
-        with open(folder / name, "w") as file:
-            os.dup2(file.fileno(), descriptor)
-    sys.stdout, sys.stderr = (open(descriptor, "w", buffering=1, closefd=False) for descriptor in (1, 2))
-    main(["fit", *ARGS, *logger, "--trainer.callbacks+=test_logger_runs.PauseInStep4"])
+    run.send_signal(getattr(signal, stop))
+    assert run.wait(timeout=120) == code, (folder / "err.txt").read_text()[-3000:]
 
 
 def _continue_and_validate(logger: list[str], capsys) -> str:

@@ -137,5 +137,12 @@ def fit(folder: Path, *args: str, base: list[str] = VIT) -> None:
     """`moh fit` of ``base`` and ``args`` in this process, in ``folder``."""
     from moh_lightning.cli import main
 
-    with working_folder(folder):
-        main(["fit", *base, *args])
+    # One thread, as a forked `moh` runs (tests/moh_process.py): runs are compared bit for bit, and a sum split over
+    # two threads (`pytest -n 0` gives this process two) rounds differently.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with working_folder(folder):
+            main(["fit", *base, *args])
+    finally:
+        torch.set_num_threads(threads)
