@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
 from moh_lightning import lightning_compat as compat
@@ -81,6 +82,19 @@ class RunShutdown(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _take_back_sigterm(trainer)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _past_the_last_step()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:  # `moh validate`; a fit's validations come back to training
+            _past_the_last_step()
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _past_the_last_step()
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _past_the_last_step()
+
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._store is None or not collective_failed(exception):
             return
@@ -102,6 +116,13 @@ class RunShutdown(Callback):
         tell_the_run(self._store, f"rank {rank}: a collective failed")
         if _WATCH is not None:
             _WATCH.end_within_grace_period()  # the teardown still runs, unless it blocks on the broken collective
+
+
+def _past_the_last_step() -> None:
+    """Rank 0 may now end and take the run's store with it while this rank still writes its logs and checkpoint: a
+    store gone from here on is no lost rank 0 (a rank lost now fails the last checkpoint's collective instead)."""
+    if _WATCH is not None:
+        _WATCH.leaving = True
 
 
 @contextmanager

@@ -52,6 +52,7 @@ class Watch:
         self.deadline: float | None = None
         self.said = False
         self._elsewhere: str | None = None
+        self.leaving = False  # past the run's last step (``RunShutdown`` says when)
         self._closing = False
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
@@ -130,7 +131,7 @@ class Watch:
                 next_poll = time.monotonic() + _POLL_S
                 # Nothing is left to save (saving needs every rank) nor to wait for.
                 try:
-                    self._elsewhere = ended_elsewhere(self.store, self.trainer.interrupted)
+                    self._elsewhere = ended_elsewhere(self.store, self.leaving or self.trainer.interrupted)
                 except NoAnswerYet:
                     with suppress(RuntimeError):  # (refused: the next poll finds the store gone)
                         self.store = store_client()  # a client whose request timed out may read that late answer next

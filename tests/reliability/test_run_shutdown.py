@@ -23,11 +23,12 @@ import psutil
 import pytest
 from exact_runs import RUN, VIT, assert_same_run, load_checkpoint
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from moh_process import MohProcess, start_moh
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
-from moh_lightning.callbacks import RunShutdown, run_store, watchdog
+from moh_lightning.callbacks import RunShutdown, run_store, shutdown, watchdog
 from moh_lightning.lightning_compat import collective_timeout
 
 # The `moh fit` runs are marked distributed one by one; the unit tests of the watchdog and the store below are not.
@@ -262,3 +263,33 @@ def test_a_store_that_answers_late_is_not_taken_for_a_lost_rank_0():
     gone = run_store.ended_elsewhere(_SlowStore(closed), leaving=False)
     assert gone == "rank 0, which holds the run's store, is gone"
     assert run_store.ended_elsewhere(_SlowStore(closed), leaving=True) is None
+
+
+def test_a_rank_past_its_last_step_does_not_take_rank_0_ending_for_a_lost_node(monkeypatch):
+    # At a run's end rank 0 may exit, and its store with it, while another rank still writes its logs: that rank took
+    # the closed store for a lost rank 0 and ended with exit code 1 (seen once in the two-node resume above).
+    asked: list[bool] = []
+    monkeypatch.setattr(watchdog, "_POLL_S", 0.05)
+    monkeypatch.setattr(watchdog, "ended_elsewhere", lambda store, leaving: asked.append(leaving))  # "not ended"
+
+    def leaving_after(hook: str, fn: TrainerFn) -> bool:
+        trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=None), interrupted=False,
+                                  state=SimpleNamespace(fn=fn))
+        watch = watchdog.Watch(trainer, grace_period=20.0)
+        monkeypatch.setattr(shutdown, "_WATCH", watch)
+        try:
+            getattr(RunShutdown(), hook)(trainer, None)
+            asked.clear()
+            watch.watch_store(object())
+            deadline = time.monotonic() + 10
+            while not asked and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return asked[-1]
+        finally:
+            watch.close()
+
+    assert not leaving_after("on_validation_end", TrainerFn.FITTING)  # a fit's validation: training goes on
+    assert not leaving_after("on_train_start", TrainerFn.FITTING)
+    for hook, fn in [("on_train_end", TrainerFn.FITTING), ("on_validation_end", TrainerFn.VALIDATING),
+                     ("on_test_end", TrainerFn.TESTING), ("on_predict_end", TrainerFn.PREDICTING)]:
+        assert leaving_after(hook, fn), hook
