@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Lightning, transformers and every test's models, and CPython's default thresholds spent about a tenth of the
 # in-process tests' time walking them (measured with gc.callbacks on tests/models and tests/layers: 35 s -> 30 s).
 # Cycles are still collected, a few times per test module.
+CPYTHON_GC_THRESHOLDS = gc.get_threshold()
 gc.set_threshold(7000, 10, 10)
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from conftest import CPYTHON_GC_THRESHOLDS
 from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
 _FORK = multiprocessing.get_context("fork")
@@ -119,7 +120,7 @@ def _as_a_fresh_process(function: Callable[[], object], cwd: Path, env: dict[str
     # (`ddp_fork`) then refuses to start ranks. A fresh `moh` has no such parent, and this one no CUDA context.
     torch.cuda._is_in_bad_fork = lambda: False
     rank_zero_only.rank = _get_rank() or 0  # as Lightning sets it on import, from the environment
-    gc.set_threshold(700, 10, 10)  # CPython's own (tests/conftest.py raises them for the test process)
+    gc.set_threshold(*CPYTHON_GC_THRESHOLDS)  # tests/conftest.py raises them for the test process
     _default_signals()
     _fresh_logging(captured)
     _fresh_warnings()
